@@ -1,0 +1,92 @@
+"""sgl_mmkv's typed configuration: command-line flags -> one dataclass -> every process.
+
+SGLang spawns its scheduler and detokenizer, so module state of the launching
+process does not reach them. The config travels as JSON in the environment
+variable :data:`CONFIG_ENV`, which spawned children inherit, and the plugin reads
+it back in each process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+CONFIG_ENV = "MMKV_SGLANG_CONFIG"
+
+# Every --mm-reuse choice, in the order the help text lists them.
+REUSE_MODES: dict[str, str] = {
+    "off": "stock SGLang: no sgl_mmkv code in the scheduler",
+    "exact": "sgl_mmkv's radix cache, exact-prefix reuse only (same hits as stock)",
+    "conduit": "position-independent image segments + CONDUIT selective refresh",
+    "full": "baseline: recompute every reused image token",
+    "reuse": "baseline: re-positioned stale KV, refresh text only (budget 0)",
+    "first": "baseline: refresh the first tokens of each image",
+    "cacheblend": "baseline: refresh the tokens with the largest KV deviation",
+    "prophetkv": "baseline: CONDUIT's attention score without the value norm",
+    "random": "baseline: a seeded random subset",
+}
+IMPLEMENTED_REUSE_MODES: tuple[str, ...] = ("off", "exact")
+
+DEFAULT_REFRESH_BUDGET = 0.1
+RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
+
+
+class ConfigError(ValueError):
+    """A flag value sgl_mmkv cannot run with; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class MMKVConfig:
+    """What sgl_mmkv does in this server.
+
+    Attributes:
+        mm_reuse: one of :data:`REUSE_MODES`.
+        mm_refresh_budget: fraction of reused image tokens recomputed, in (0, 1].
+    """
+
+    mm_reuse: str = "off"
+    mm_refresh_budget: float = DEFAULT_REFRESH_BUDGET
+
+    def __post_init__(self) -> None:
+        if self.mm_reuse not in REUSE_MODES:
+            raise ConfigError(
+                f"--mm-reuse {self.mm_reuse!r} is unknown; choose one of {', '.join(REUSE_MODES)}"
+            )
+        if self.mm_reuse not in IMPLEMENTED_REUSE_MODES:
+            raise ConfigError(
+                f"--mm-reuse {self.mm_reuse} is not implemented yet in this version of "
+                f"sgl_mmkv; implemented: {', '.join(IMPLEMENTED_REUSE_MODES)}"
+            )
+        budget = self.mm_refresh_budget
+        if not isinstance(budget, (int, float)) or not (0.0 < budget <= 1.0):
+            raise ConfigError(f"--mm-refresh-budget must be in (0, 1], got {budget!r}")
+
+    @property
+    def uses_mmkv_cache(self) -> bool:
+        """Whether the scheduler runs sgl_mmkv's radix cache backend."""
+        return self.mm_reuse != "off"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MMKVConfig:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{CONFIG_ENV} is not JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{CONFIG_ENV} must be a JSON object, got {text!r}")
+        return cls(**fields)
+
+
+def export_config(config: MMKVConfig) -> None:
+    """Publish ``config`` to this process and every process it spawns."""
+    os.environ[CONFIG_ENV] = config.to_json()
+
+
+def active_config() -> MMKVConfig | None:
+    """The config this process was started with, or None outside sgl_mmkv.launch_server."""
+    text = os.environ.get(CONFIG_ENV)
+    return MMKVConfig.from_json(text) if text else None

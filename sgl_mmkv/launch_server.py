@@ -1,0 +1,144 @@
+"""``python -m sgl_mmkv.launch_server``: SGLang's server with sgl_mmkv's flags.
+
+Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
+
+    --mm-reuse {off,exact,conduit,...}   how image KV is reused (default: off)
+    --mm-refresh-budget R                fraction of reused image tokens recomputed, (0, 1]
+
+On a machine without CUDA the launcher adds ``--device cpu --attention-backend
+torch_native`` unless given, and the environment SGLang needs on the CPU.
+A bad sgl_mmkv flag exits with status 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sgl_mmkv.config import (
+    DEFAULT_REFRESH_BUDGET,
+    IMPLEMENTED_REUSE_MODES,
+    RADIX_CACHE_BACKEND_NAME,
+    REUSE_MODES,
+    ConfigError,
+    MMKVConfig,
+    export_config,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_mmkv.launch_server",
+        description="SGLang server with a modality-aware KV cache. "
+        "All `python -m sglang.launch_server` flags are accepted as well.",
+        add_help=False,
+    )
+    modes = "; ".join(f"{name}: {text}" for name, text in REUSE_MODES.items())
+    parser.add_argument(
+        "--mm-reuse",
+        default="off",
+        metavar="{" + ",".join(REUSE_MODES) + "}",
+        help=f"image KV reuse mode (implemented: {', '.join(IMPLEMENTED_REUSE_MODES)}). {modes}",
+    )
+    parser.add_argument(
+        "--mm-refresh-budget",
+        type=float,
+        default=DEFAULT_REFRESH_BUDGET,
+        metavar="R",
+        help="fraction of reused image tokens recomputed, in (0, 1] (default %(default)s)",
+    )
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
+    """Split ``argv`` into sgl_mmkv's config and the argument list for SGLang.
+
+    Raises:
+        ConfigError: an sgl_mmkv flag is invalid or conflicts with a stock flag.
+    """
+    parser = build_parser()
+    ours, sglang_argv = parser.parse_known_args(argv)
+    config = MMKVConfig(mm_reuse=ours.mm_reuse, mm_refresh_budget=ours.mm_refresh_budget)
+    sglang_argv = list(sglang_argv)
+
+    if config.uses_mmkv_cache:
+        backend = _flag_value(sglang_argv, "--radix-cache-backend")
+        if backend not in (None, RADIX_CACHE_BACKEND_NAME):
+            raise ConfigError(
+                f"--mm-reuse {config.mm_reuse} runs sgl_mmkv's radix cache; "
+                f"it cannot be combined with --radix-cache-backend {backend}"
+            )
+        if _has_flag(sglang_argv, "--disable-radix-cache"):
+            raise ConfigError(
+                f"--mm-reuse {config.mm_reuse} needs the radix cache; "
+                "drop --disable-radix-cache or use --mm-reuse off"
+            )
+        if backend is None:
+            sglang_argv += ["--radix-cache-backend", RADIX_CACHE_BACKEND_NAME]
+    return config, sglang_argv
+
+
+def apply_device_defaults(sglang_argv: list[str], cuda: bool) -> list[str]:
+    """Add CPU defaults when there is no GPU and the user did not choose."""
+    argv = list(sglang_argv)
+    if not cuda and not _has_flag(argv, "--device"):
+        argv += ["--device", "cpu"]
+    device = _flag_value(argv, "--device")
+    if device == "cpu" and not _has_flag(argv, "--attention-backend"):
+        argv += ["--attention-backend", "torch_native"]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        config, sglang_argv = resolve_args(argv)
+    except ConfigError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if parser.parse_known_args(argv)[0].help:
+        parser.print_help()
+        print("\nStock SGLang flags follow.\n")
+        sglang_argv = ["--help"]
+
+    from sgl_mmkv.cpu_support import cuda_available, prepare_cpu_process
+
+    sglang_argv = apply_device_defaults(sglang_argv, cuda=cuda_available())
+    if _flag_value(sglang_argv, "--device") == "cpu":
+        prepare_cpu_process()
+    export_config(config)
+
+    # Imported only now: SGLang reads the environment prepared above at import.
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Entry point of group ``sglang.srt.plugins``; SGLang runs it in every process.
+
+It registers sgl_mmkv's radix cache backend. That alone changes nothing: the
+backend is used only when ``--radix-cache-backend sgl_mmkv`` is passed, which
+``sgl_mmkv.launch_server`` does for every ``--mm-reuse`` mode but ``off``. A
+stock ``python -m sglang.launch_server`` with sgl_mmkv installed stays stock.
+
+SGLang logs and swallows plugin exceptions; a server started by sgl_mmkv must
+not silently run without it, so failures there raise ``SystemExit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sgl_mmkv.config import RADIX_CACHE_BACKEND_NAME, CONFIG_ENV, active_config
+
+logger = logging.getLogger(__name__)
+
+
+def _register_radix_cache_backend() -> None:
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+
+    from sgl_mmkv.segments.radix_cache import build_mmkv_radix_cache
+
+    if RADIX_CACHE_BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(RADIX_CACHE_BACKEND_NAME, build_mmkv_radix_cache)
+
+
+def load() -> None:
+    """Register sgl_mmkv with SGLang in this process."""
+    try:
+        _register_radix_cache_backend()
+        config = active_config()
+    except Exception as exc:
+        if os.environ.get(CONFIG_ENV):
+            raise SystemExit(f"sgl_mmkv plugin failed in pid {os.getpid()}: {exc!r}") from exc
+        raise
+    if config is not None:
+        logger.info("sgl_mmkv plugin loaded: mode=%s pid=%d", config.mm_reuse, os.getpid())

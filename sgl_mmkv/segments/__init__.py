@@ -1,0 +1,1 @@
+"""Image segments and the radix cache that serves them."""

@@ -1,0 +1,54 @@
+"""Deterministic test images and the request payloads that carry them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+_COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black")
+
+
+def make_image(seed: int, size: int = 112) -> Image.Image:
+    """A ``size`` x ``size`` RGB image of a few coloured shapes, fixed by ``seed``."""
+    rng = random.Random(seed)
+    image = Image.new("RGB", (size, size), rng.choice(_COLOURS))
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randint(1, 4)):
+        x0, y0 = rng.randrange(size // 2), rng.randrange(size // 2)
+        x1, y1 = x0 + rng.randint(10, size // 2), y0 + rng.randint(10, size // 2)
+        shape = rng.choice((draw.ellipse, draw.rectangle))
+        shape((x0, y0, x1, y1), fill=rng.choice(_COLOURS))
+    return image
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(image: Image.Image) -> str:
+    """The image as a ``data:image/png;base64,...`` URL for the OpenAI API."""
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def save_png(image: Image.Image, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_bytes(png_bytes(image))
+    return path
+
+
+def image_part(image: Image.Image) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(image)}}
+
+
+def user_message(text: str, images: list[Image.Image] = ()) -> dict:
+    """One OpenAI chat user turn: the images first, then the text."""
+    return {
+        "role": "user",
+        "content": [*(image_part(im) for im in images), {"type": "text", "text": text}],
+    }

@@ -1,0 +1,237 @@
+"""Build tiny random-weight Qwen2 / Qwen2-VL / Qwen2.5-VL checkpoints offline.
+
+    python -m sgl_mmkv.testing.make_tiny_model --arch qwen2_vl --out DIR [--seed N]
+
+The output directory is a real Hugging Face checkpoint (config, safetensors
+weights, tokenizer with chat template, image / video processor and processor
+configs) that SGLang loads like any hub model. The same seed gives byte-identical
+files. No network access is ever made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS, build_tokenizer
+
+ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """Sizes of a tiny model. ``mrope_section`` must sum to ``head_dim // 2``."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vision_depth: int = 2
+    vision_width: int = 64
+    vision_heads: int = 4
+    mrope_section: tuple[int, int, int] = (4, 6, 6)
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.3
+    # 112 x 112 pixels -> 8 x 8 patches of 14 -> 16 tokens after the 2 x 2 merge.
+    min_pixels: int = 56 * 56
+    max_pixels: int = 224 * 224
+
+
+def _token_ids() -> dict[str, int]:
+    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+
+
+def _text_config(spec: TinyModelSpec, mrope: bool) -> dict:
+    ids = _token_ids()
+    config = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "max_window_layers": spec.num_layers,
+        "initializer_range": spec.initializer_range,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "torch_dtype": "float32",
+    }
+    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    if mrope:
+        rope["mrope_section"] = list(spec.mrope_section)
+    config["rope_parameters"] = rope
+    return config
+
+
+def _vision_config(spec: TinyModelSpec, arch: str) -> dict:
+    common = {
+        "depth": spec.vision_depth,
+        "num_heads": spec.vision_heads,
+        "in_channels": 3,
+        # transformers writes in_channels; sglang's qwen2_vl reads in_chans.
+        "in_chans": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": 0.02,
+    }
+    if arch == "qwen2_vl":
+        return {
+            **common,
+            "embed_dim": spec.vision_width,
+            "hidden_size": spec.hidden_size,
+            "mlp_ratio": 2,
+            "hidden_act": "quick_gelu",
+        }
+    return {
+        **common,
+        "hidden_size": spec.vision_width,
+        "intermediate_size": 2 * spec.vision_width,
+        "out_hidden_size": spec.hidden_size,
+        "hidden_act": "silu",
+        "window_size": 112,
+        "fullatt_block_indexes": [spec.vision_depth - 1],
+        "tokens_per_second": 2,
+    }
+
+
+def build_config(arch: str, spec: TinyModelSpec):
+    """Return the transformers config object of ``arch`` at the sizes of ``spec``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig
+
+    if arch == "qwen2":
+        config = Qwen2Config(**_text_config(spec, mrope=False))
+        config.architectures = ["Qwen2ForCausalLM"]
+        return config
+    ids = _token_ids()
+    cls = Qwen2VLConfig if arch == "qwen2_vl" else Qwen2_5_VLConfig
+    text = _text_config(spec, mrope=True)
+    config = cls(
+        text_config=text,
+        vision_config=_vision_config(spec, arch),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = [
+        "Qwen2VLForConditionalGeneration"
+        if arch == "qwen2_vl"
+        else "Qwen2_5_VLForConditionalGeneration"
+    ]
+    return config
+
+
+def _model_class(arch: str):
+    import transformers
+
+    return {
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    }[arch]
+
+
+def _save_processor(arch: str, out: Path, tokenizer, spec: TinyModelSpec) -> None:
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.max_pixels,
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=spec.min_pixels, max_pixels=spec.max_pixels
+    )
+    if arch == "qwen2_vl":
+        from transformers import Qwen2VLProcessor as processor_cls
+    else:
+        from transformers import Qwen2_5_VLProcessor as processor_cls
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=tokenizer.chat_template,
+    )
+    processor.save_pretrained(out)
+
+
+def _patch_config_json(path: Path, arch: str, spec: TinyModelSpec) -> None:
+    """Write the legacy keys sglang 0.5.23 still reads beside transformers' own."""
+    config = json.loads(path.read_text())
+    if arch != "qwen2":
+        rope_scaling = {"type": "mrope", "mrope_section": list(spec.mrope_section)}
+        config["rope_scaling"] = rope_scaling
+        config["text_config"]["rope_scaling"] = rope_scaling
+        config["vision_config"]["in_chans"] = 3
+        # Top-level text sizes as in the published Qwen2-VL checkpoints.
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+        ):
+            if key in config["text_config"]:
+                config.setdefault(key, config["text_config"][key])
+        config.setdefault("rope_theta", 1000000.0)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def make_tiny_model(
+    arch: str, out: str | Path, seed: int = 0, spec: TinyModelSpec | None = None
+) -> Path:
+    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` and return its path."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    spec = spec or TinyModelSpec()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(seed, vocab_size=spec.vocab_size)
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab {spec.vocab_size}")
+
+    config = build_config(arch, spec)
+    torch.manual_seed(seed)
+    model = _model_class(arch)(config).to(torch.float32).eval()
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if arch != "qwen2":
+        _save_processor(arch, out, tokenizer, spec)
+    _patch_config_json(out / "config.json", arch, spec)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.arch, args.out, seed=args.seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

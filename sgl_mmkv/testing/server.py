@@ -1,0 +1,158 @@
+"""Start a real SGLang server (stock or sgl_mmkv) as a child process and end it by PID.
+
+Used by the tests and the benchmarks: one server per test module, logs to a file,
+and the whole process tree (tokenizer, scheduler, detokenizer) ended on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import requests
+
+from sgl_mmkv.cpu_support import CPU_ENV_DEFAULTS, SHIM_DIR, real_sgl_kernel_installed
+
+# Small-pool CPU settings shared by both sides of every comparison.
+CPU_SERVER_ARGS: tuple[str, ...] = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--mem-fraction-static",
+    "0.05",
+    "--max-total-tokens",
+    "4096",
+    "--random-seed",
+    "0",
+    "--enable-cache-report",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stock_cpu_env() -> dict[str, str]:
+    """The environment stock ``sglang.launch_server`` needs on this CPU machine.
+
+    The same one ``sgl_mmkv.launch_server`` prepares for itself, so that both
+    sides of a comparison run with identical process settings.
+    """
+    env = dict(os.environ)
+    for key, value in CPU_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    if not real_sgl_kernel_installed():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p
+        )
+    return env
+
+
+class ServerProcess:
+    """One server process tree. Use as a context manager or call :meth:`stop`."""
+
+    def __init__(
+        self,
+        module: str,
+        model_path: str | Path,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path or f"/tmp/sgl_mmkv_server_{self.port}.log")
+        self.command = [
+            sys.executable,
+            "-m",
+            module,
+            "--model-path",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra_args,
+        ]
+        self._env = env if env is not None else stock_cpu_env()
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 240.0) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self._env
+        )
+        log.close()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}; log tail:\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout_s} s; log tail:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    @property
+    def pid(self) -> int:
+        if self.process is None:
+            raise RuntimeError("server not started")
+        return self.process.pid
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """End the server and every process it started, by PID."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            parent = psutil.Process(self.process.pid)
+            tree = [*parent.children(recursive=True), parent]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        self.process.wait(timeout=5)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

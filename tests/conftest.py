@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny models built once per session, CPU environment for SGLang."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sgl_mmkv.cpu_support import prepare_cpu_process
+
+# SGLang reads these at import: set them before any test module imports it.
+prepare_cpu_process()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def _build(model_dir: Path, arch: str, name: str) -> Path:
+    from sgl_mmkv.testing.make_tiny_model import make_tiny_model
+
+    out = model_dir / name
+    if not (out / "config.json").exists():
+        make_tiny_model(arch, out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(model_dir) -> Path:
+    """Tiny Qwen2-VL (M-RoPE). The directory name makes SGLang's frontend pick
+    the qwen2-vl chat template, as it would for a real Qwen2-VL checkpoint."""
+    return _build(model_dir, "qwen2_vl", "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25_vl(model_dir) -> Path:
+    return _build(model_dir, "qwen2_5_vl", "tiny-qwen2.5-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(model_dir) -> Path:
+    return _build(model_dir, "qwen2", "tiny-qwen2")
