@@ -1,0 +1,107 @@
+"""sgl_mmkv's flags: parsing, validation, pass-through, CPU defaults. No server is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sgl_mmkv.config import CONFIG_ENV, ConfigError, MMKVConfig, active_config, export_config
+from sgl_mmkv.launch_server import apply_device_defaults, resolve_args
+
+
+def test_off_passes_stock_flags_through_unchanged():
+    config, argv = resolve_args(["--model-path", "m", "--port", "1234", "--page-size", "16"])
+    assert config == MMKVConfig(mm_reuse="off", mm_refresh_budget=0.1)
+    assert argv == ["--model-path", "m", "--port", "1234", "--page-size", "16"]
+
+
+def test_exact_selects_our_radix_cache_backend():
+    config, argv = resolve_args(["--model-path", "m", "--mm-reuse", "exact"])
+    assert config.mm_reuse == "exact"
+    assert argv == ["--model-path", "m", "--radix-cache-backend", "sgl_mmkv"]
+
+
+def test_budget_is_parsed():
+    config, _ = resolve_args(["--mm-reuse=exact", "--mm-refresh-budget=0.25"])
+    assert config.mm_refresh_budget == 0.25
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mm-reuse", "bogus"], "--mm-reuse 'bogus' is unknown"),
+        (["--mm-reuse", "conduit"], "--mm-reuse conduit is not implemented yet"),
+        (["--mm-refresh-budget", "0"], r"--mm-refresh-budget must be in \(0, 1\], got 0.0"),
+        (["--mm-refresh-budget", "1.01"], r"must be in \(0, 1\], got 1.01"),
+        (["--mm-refresh-budget", "nan"], r"must be in \(0, 1\], got nan"),
+        (
+            ["--mm-reuse", "exact", "--radix-cache-backend", "flexkv"],
+            "cannot be combined with --radix-cache-backend flexkv",
+        ),
+        (["--mm-reuse", "exact", "--disable-radix-cache"], "needs the radix cache"),
+    ],
+)
+def test_bad_flags_raise_config_error(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_args(argv)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mm-reuse", "bogus"], "--mm-reuse 'bogus' is unknown; choose one of off, exact"),
+        (["--mm-refresh-budget", "2"], "--mm-refresh-budget must be in (0, 1], got 2.0"),
+        (["--mm-refresh-budget", "abc"], "invalid float value: 'abc'"),
+    ],
+)
+def test_cli_exits_2_with_clear_message(flags, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", "x", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_our_flags_then_stock_ones():
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_mmkv.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0
+    assert "--mm-refresh-budget" in result.stdout
+    assert "--radix-cache-backend" in result.stdout
+
+
+def test_cpu_defaults_only_when_missing():
+    assert apply_device_defaults([], cuda=False) == [
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+    ]
+    assert apply_device_defaults(["--attention-backend", "intel_amx"], cuda=False) == [
+        "--attention-backend",
+        "intel_amx",
+        "--device",
+        "cpu",
+    ]
+    assert apply_device_defaults([], cuda=True) == []
+
+
+def test_config_round_trips_through_the_environment(monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert active_config() is None
+    config = MMKVConfig(mm_reuse="exact", mm_refresh_budget=0.5)
+    export_config(config)
+    assert active_config() == config
+    monkeypatch.setenv(CONFIG_ENV, "{not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        active_config()
