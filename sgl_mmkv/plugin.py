@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from sgl_mmkv.config import RADIX_CACHE_BACKEND_NAME, CONFIG_ENV, active_config
+from sgl_mmkv.config import CONFIG_ENV, RADIX_CACHE_BACKEND_NAME, active_config
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sgl_mmkv.testing.images import make_image
-from sgl_mmkv.testing.make_tiny_model import ARCHS, main, make_tiny_model
+from sgl_mmkv.testing.make_tiny_model import main, make_tiny_model
 from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS
 
 
@@ -77,4 +77,3 @@ def test_text_model_generates_varied_tokens(tiny_llm):
     out = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
     # initializer_range 0.3 keeps greedy decoding from collapsing into one token.
     assert len(set(out.tolist())) >= 3
-

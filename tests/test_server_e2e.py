@@ -62,7 +62,10 @@ def test_frontend_program_with_two_images(server, client, tmp_path):
 
     from sgl_mmkv.frontend import RuntimeEndpoint
 
-    paths = [save_png(make_image(21), tmp_path / "a.png"), save_png(make_image(22), tmp_path / "b.png")]
+    paths = [
+        save_png(make_image(21), tmp_path / "a.png"),
+        save_png(make_image(22), tmp_path / "b.png"),
+    ]
 
     @sgl.function
     def two_images(s, image_a, image_b, question):
@@ -85,11 +88,17 @@ def test_frontend_program_with_two_images(server, client, tmp_path):
 def test_radix_cache_runs_in_the_scheduler_process(server):
     """Proof from inside the scheduler: its own log line, with its own PID."""
     match = re.search(
-        re.escape(ACTIVE_LOG_PREFIX) + r": class=(\w+) mode=(\w+) refresh_budget=([\d.]+) pid=(\d+)",
+        re.escape(ACTIVE_LOG_PREFIX)
+        + r": class=(\w+) mode=(\w+) refresh_budget=([\d.]+) pid=(\d+)",
         server.log_text(),
     )
     assert match, server.log_tail()
-    cls, mode, budget, pid = match.group(1), match.group(2), float(match.group(3)), int(match.group(4))
+    cls, mode, budget, pid = (
+        match.group(1),
+        match.group(2),
+        float(match.group(3)),
+        int(match.group(4)),
+    )
     assert (cls, mode, budget) == ("MMKVRadixCache", "exact", 0.25)
     assert pid != server.pid
     scheduler = psutil.Process(pid)
@@ -118,7 +127,10 @@ def test_broken_image_is_a_4xx_and_the_server_keeps_serving(server, client, url)
         "messages": [
             {
                 "role": "user",
-                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}],
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "hi"},
+                ],
             }
         ],
         "max_tokens": 4,

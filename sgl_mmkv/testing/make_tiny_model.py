@@ -154,9 +154,7 @@ def _save_processor(arch: str, out: Path, tokenizer, spec: TinyModelSpec) -> Non
         merge_size=2,
         temporal_patch_size=2,
     )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=spec.min_pixels, max_pixels=spec.max_pixels
-    )
+    video_processor = Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
     if arch == "qwen2_vl":
         from transformers import Qwen2VLProcessor as processor_cls
     else:

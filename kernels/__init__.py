@@ -1,0 +1,1 @@
+"""Triton kernels (and FlashInfer adapters) with their torch references."""
