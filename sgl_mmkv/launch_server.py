@@ -77,6 +77,12 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
     sglang_argv = list(sglang_argv)
 
     if config.uses_mmkv_cache:
+        allowed = os.environ.get("SGLANG_PLUGINS", "")
+        if allowed and "sgl_mmkv" not in {p.strip() for p in allowed.split(",")}:
+            raise ConfigError(
+                f"SGLANG_PLUGINS={allowed!r} excludes the sgl_mmkv plugin, which "
+                f"--mm-reuse {config.mm_reuse} needs in the scheduler; add sgl_mmkv to it"
+            )
         backend = _flag_value(sglang_argv, "--radix-cache-backend")
         if backend not in (None, RADIX_CACHE_BACKEND_NAME):
             raise ConfigError(

@@ -48,6 +48,15 @@ def test_bad_flags_raise_config_error(argv, message):
         resolve_args(argv)
 
 
+def test_plugin_allow_list_must_include_us(monkeypatch):
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    with pytest.raises(ConfigError, match="excludes the sgl_mmkv plugin"):
+        resolve_args(["--mm-reuse", "exact"])
+    assert resolve_args(["--mm-reuse", "off"])[0].mm_reuse == "off"
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else, sgl_mmkv")
+    assert resolve_args(["--mm-reuse", "exact"])[0].mm_reuse == "exact"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

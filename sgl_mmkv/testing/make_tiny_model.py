@@ -194,30 +194,38 @@ def _patch_config_json(path: Path, arch: str, spec: TinyModelSpec) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def make_tiny_model(
-    arch: str, out: str | Path, seed: int = 0, spec: TinyModelSpec | None = None
-) -> Path:
-    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` and return its path."""
+def build_untrained(arch: str, spec: TinyModelSpec, seed: int):
+    """A random-weight model of ``arch`` and its freshly trained tokenizer."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    spec = spec or TinyModelSpec()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-
     tokenizer = build_tokenizer(seed, vocab_size=spec.vocab_size)
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab {spec.vocab_size}")
-
-    config = build_config(arch, spec)
     torch.manual_seed(seed)
-    model = _model_class(arch)(config).to(torch.float32).eval()
+    model = _model_class(arch)(build_config(arch, spec)).to(torch.float32).eval()
     model.generation_config.do_sample = False
+    return model, tokenizer
+
+
+def save_checkpoint(model, tokenizer, arch: str, spec: TinyModelSpec, out: str | Path) -> Path:
+    """Write ``model`` with its tokenizer and processor as an SGLang-loadable checkpoint."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if arch != "qwen2":
         _save_processor(arch, out, tokenizer, spec)
     _patch_config_json(out / "config.json", arch, spec)
     return out
+
+
+def make_tiny_model(
+    arch: str, out: str | Path, seed: int = 0, spec: TinyModelSpec | None = None
+) -> Path:
+    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` and return its path."""
+    spec = spec or TinyModelSpec()
+    model, tokenizer = build_untrained(arch, spec, seed)
+    return save_checkpoint(model, tokenizer, arch, spec, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,9 @@ _WORDS = (
     "there in on of and or with without than more less same different compare count "
     "you assistant user system helpful please tell me about this that these those "
     "one two three four five six seven eight nine ten zero cat dog car tree house "
-    "sky sun moon water road person man woman child small large big tiny bright dark"
+    "sky sun moon water road person man woman child small large big tiny bright dark "
+    "purple orange pink cyan shape shapes image images has have where kind few words "
+    "Image What Which Where answer questions"
 ).split()
 
 

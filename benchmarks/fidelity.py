@@ -1,0 +1,135 @@
+"""Fidelity benchmark: reuse modes against full prefill, through real servers.
+
+    python benchmarks/fidelity.py --modes stock,off,exact --num-examples 40
+
+For each mode a server is started (``stock``: ``python -m sglang.launch_server``;
+otherwise ``python -m sgl_mmkv.launch_server --mm-reuse MODE``) with the same CPU
+settings, the test split is run through every scenario (see
+``sgl_mmkv.testing.fidelity_bench``), and the server is stopped. Prints a table,
+writes ``fidelity.json`` and ``fidelity.png`` (relative accuracy against refresh
+budget, one line per method, full prefill dashed) into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.testing.fidelity_bench import (
+    SCENARIOS,
+    FidelityClient,
+    PromptLayout,
+    ScenarioSummary,
+    format_table,
+    measure,
+    summarise,
+    to_json,
+)
+from sgl_mmkv.testing.fidelity_task import make_split
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
+BUDGETED_MODES: tuple[str, ...] = ()  # modes with a refresh budget; none implemented yet
+
+
+def server_for(mode: str, model: Path, budget: float | None, log_dir: Path) -> ServerProcess:
+    if mode == "stock":
+        return ServerProcess(
+            "sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log_dir / "stock.log"
+        )
+    extra = ["--mm-reuse", mode]
+    if budget is not None:
+        extra += ["--mm-refresh-budget", str(budget)]
+    name = f"{mode}" + (f"_{budget}" if budget is not None else "")
+    return ServerProcess(
+        "sgl_mmkv.launch_server",
+        model,
+        [*extra, *CPU_SERVER_ARGS],
+        log_path=log_dir / f"{name}.log",
+    )
+
+
+def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = [s for s in SCENARIOS if any(x.scenario == s for x in summaries)]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4 * len(scenarios), 3.4), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        rows = [s for s in summaries if s.scenario == scenario]
+        for mode in dict.fromkeys(s.mode for s in rows):
+            ys = [s.relative_accuracy for s in rows if s.mode == mode]
+            if len(ys) == len(budgets) and len(budgets) > 1:
+                ax.plot(budgets, ys, marker="o", label=mode)
+            else:
+                ax.axhline(ys[0], linestyle=":", label=f"{mode} (no budget)")
+        ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
+        ax.set_title(scenario)
+        ax.set_xlabel("refresh budget")
+        ax.set_ylabel("accuracy / full-prefill accuracy")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.1)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--modes", default="stock,off,exact")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--num-examples", type=int, default=40)
+    parser.add_argument("--budgets", default="0.05,0.1,0.2,1.0", help="for budgeted modes")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/fidelity"))
+    args = parser.parse_args(argv)
+
+    prepare_cpu_process()
+    modes = [m for m in args.modes.split(",") if m]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    examples = make_split("test", args.num_examples)
+    layout = PromptLayout(str(args.model_path))
+
+    summaries: list[ScenarioSummary] = []
+    records = {}
+    started = time.monotonic()
+    for mode in modes:
+        for budget in budgets if mode in BUDGETED_MODES else [None]:
+            label = mode if budget is None else f"{mode}@{budget}"
+            with server_for(mode, args.model_path, budget, args.out_dir) as server:
+                client = FidelityClient(server.base_url)
+                records[label] = measure(client, layout, examples, scenarios)
+            summaries += summarise(label, records[label])
+            print(f"[fidelity] {label}: {len(records[label])} probes", flush=True)
+
+    table = format_table(summaries)
+    print(table)
+    result = {
+        "command": "python benchmarks/fidelity.py " + " ".join(argv or sys.argv[1:]),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
+        "model_path": str(args.model_path),
+        "num_examples": args.num_examples,
+        "seconds": round(time.monotonic() - started, 1),
+        **to_json(summaries, records),
+    }
+    (args.out_dir / "fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / "fidelity.txt").write_text(table + "\n")
+    plot(summaries, budgets, args.out_dir / "fidelity.png")
+    print(f"[fidelity] wrote {args.out_dir}/fidelity.json, fidelity.txt, fidelity.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

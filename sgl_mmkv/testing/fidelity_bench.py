@@ -1,0 +1,320 @@
+"""Fidelity of KV reuse, measured through a running server exactly as a user sees it.
+
+For each test example and scenario, a *reference* request is served cold (radix
+cache flushed: full prefill) and a *probe* with the same final prompt is served
+after the scenario's warm-up requests put the same images in the cache under
+another context. Probe vs. reference gives: exact-match accuracy, first-token
+agreement, the KL divergence of the first next-token distribution (from the
+returned top-k logprobs), and the server's cached-token count.
+
+Scenarios:
+    repeat          the identical prompt again (exact-prefix reuse)
+    changed_prefix  images first served after another system prompt and preamble
+    reordered       images first served in another order
+    multi_turn      turn 1 shows images 1..n-1; turn 2 adds image n and asks about
+                    any image (the earlier ones asked about again)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import openai
+import requests
+
+from sgl_mmkv.testing.fidelity_task import (
+    Example,
+    chat_messages,
+    relabelled_answer,
+    score,
+)
+from sgl_mmkv.testing.images import image_part
+
+SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn")
+TOP_K = 10
+MAX_TOKENS = 6
+OTHER_SYSTEM = "You are a careful assistant that studies pictures."
+OTHER_PREAMBLE = "Some pictures from an album, to look at before the question."
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the server returned for one request."""
+
+    text: str
+    first_token: str
+    first_top_logprobs: dict[str, float]
+    prompt_tokens: int
+    cached_tokens: int
+    latency_s: float
+
+
+@dataclass(slots=True)
+class ProbeRecord:
+    """One (example, scenario) measurement."""
+
+    uid: str
+    qtype: str
+    num_images: int
+    scenario: str
+    answer: str
+    reference: str
+    probe: str
+    reference_correct: bool
+    probe_correct: bool
+    first_token_agree: bool
+    first_token_kl: float
+    prompt_tokens: int
+    reference_cached_tokens: int
+    probe_cached_tokens: int
+    image_tokens: int
+    probe_cached_image_tokens: int
+    probe_latency_s: float
+
+
+@dataclass(slots=True)
+class ScenarioSummary:
+    mode: str
+    scenario: str
+    n: int
+    full_prefill_accuracy: float
+    accuracy: float
+    relative_accuracy: float
+    first_token_agreement: float
+    mean_first_token_kl: float
+    mean_prompt_tokens: float
+    mean_cached_tokens: float
+    mean_cached_image_tokens: float
+    reused_tokens: int | None = None
+    refreshed_tokens: int | None = None
+    per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
+
+
+def kl_from_top_logprobs(reference: dict[str, float], probe: dict[str, float]) -> float:
+    """KL(reference || probe) over the reference's top-k tokens.
+
+    Each distribution is known only on its top-k; a reference token missing from
+    the probe's top-k gets the probe's smallest returned logprob (an upper bound
+    on its probability), and the reference mass outside its top-k is ignored.
+    Both choices bias the estimate towards 0; identical distributions give 0.
+    """
+    if not reference:
+        raise ValueError("reference has no logprobs")
+    floor = min(probe.values()) if probe else math.log(1e-9)
+    kl = 0.0
+    for token, ref_lp in reference.items():
+        kl += math.exp(ref_lp) * (ref_lp - probe.get(token, floor))
+    return max(kl, 0.0)
+
+
+class FidelityClient:
+    """Sends the benchmark's requests to one server."""
+
+    def __init__(self, base_url: str, max_tokens: int = MAX_TOKENS) -> None:
+        self.base_url = base_url
+        self.max_tokens = max_tokens
+        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+
+    def flush(self) -> None:
+        response = requests.post(self.base_url + "/flush_cache", timeout=60)
+        if response.status_code != 200:
+            raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
+
+    def chat(self, messages: list[dict]) -> Reply:
+        started = time.monotonic()
+        r = self.client.chat.completions.create(
+            model="default",
+            messages=messages,
+            max_tokens=self.max_tokens,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=TOP_K,
+        )
+        latency = time.monotonic() - started
+        first = r.choices[0].logprobs.content[0]
+        details = r.usage.prompt_tokens_details
+        return Reply(
+            text=r.choices[0].message.content or "",
+            first_token=first.token,
+            first_top_logprobs={t.token: t.logprob for t in first.top_logprobs},
+            prompt_tokens=r.usage.prompt_tokens,
+            cached_tokens=(details.cached_tokens or 0) if details else 0,
+            latency_s=latency,
+        )
+
+
+def scenario_requests(
+    example: Example, scenario: str, part: Callable[..., dict] = image_part
+) -> tuple[list[list[dict]], list[dict]]:
+    """(warm-up requests, final prompt) of one scenario; the final prompt is what
+    both the cold reference and the probe send. ``part`` renders an image part."""
+    canonical = chat_messages(example, part)
+    n = len(example.images)
+    if scenario == "repeat":
+        return [canonical], canonical
+    if scenario == "changed_prefix":
+        warm = chat_messages(example, part, system=OTHER_SYSTEM, preamble=OTHER_PREAMBLE)
+        return [warm], canonical
+    if scenario == "reordered":
+        order = list(reversed(range(n))) if n > 1 else [0]
+        return [chat_messages(example, part, order=order)], canonical
+    if scenario == "multi_turn":
+        return _multi_turn(canonical, n)
+    raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+
+
+def _multi_turn(full: list[dict], n: int) -> tuple[list[list[dict]], list[dict]]:
+    """Turn 1: images 1..n-1 with a fixed question and a fixed assistant reply;
+    turn 2: image n and the example's question (which may name any image)."""
+    system, user = full
+    content = user["content"]
+    # Each image contributes three parts: label, image, newline; the question is last.
+    split = 3 * (n - 1)
+    first_turn = content[:split] or [{"type": "text", "text": "Hello.\n"}]
+    turn1 = [system, {"role": "user", "content": [*first_turn, _text("Remember these.")]}]
+    conversation = [
+        *turn1,
+        {"role": "assistant", "content": "OK."},
+        {"role": "user", "content": content[split:]},
+    ]
+    return [turn1], conversation
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def measure(
+    client: FidelityClient,
+    layout: PromptLayout,
+    examples: Iterable[Example],
+    scenarios: Iterable[str] = SCENARIOS,
+    on_record: Callable[[ProbeRecord], None] | None = None,
+) -> list[ProbeRecord]:
+    """Run every scenario on every example; see the module docstring."""
+    records = []
+    for example in examples:
+        for scenario in scenarios:
+            warmups, final = scenario_requests(example, scenario)
+            image_mask = layout.image_mask(
+                lambda part, ex=example, sc=scenario: scenario_requests(ex, sc, part)[1]
+            )
+            client.flush()
+            reference = client.chat(final)
+            client.flush()
+            for warm in warmups:
+                client.chat(warm)
+            probe = client.chat(final)
+            if len(image_mask) != probe.prompt_tokens:
+                raise RuntimeError(
+                    f"local prompt has {len(image_mask)} tokens, the server's "
+                    f"{probe.prompt_tokens}: the processor and the server disagree"
+                )
+            answer = relabelled_answer(example)
+            record = ProbeRecord(
+                uid=example.uid(),
+                qtype=example.qtype,
+                num_images=len(example.images),
+                scenario=scenario,
+                answer=answer,
+                reference=reference.text,
+                probe=probe.text,
+                reference_correct=score(reference.text, answer),
+                probe_correct=score(probe.text, answer),
+                first_token_agree=reference.first_token == probe.first_token,
+                first_token_kl=kl_from_top_logprobs(
+                    reference.first_top_logprobs, probe.first_top_logprobs
+                ),
+                prompt_tokens=probe.prompt_tokens,
+                reference_cached_tokens=reference.cached_tokens,
+                probe_cached_tokens=probe.cached_tokens,
+                image_tokens=sum(image_mask),
+                probe_cached_image_tokens=sum(image_mask[: probe.cached_tokens]),
+                probe_latency_s=probe.latency_s,
+            )
+            records.append(record)
+            if on_record:
+                on_record(record)
+    return records
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarise(mode: str, records: list[ProbeRecord]) -> list[ScenarioSummary]:
+    summaries = []
+    for scenario in dict.fromkeys(r.scenario for r in records):
+        rs = [r for r in records if r.scenario == scenario]
+        full = _mean([float(r.reference_correct) for r in rs])
+        acc = _mean([float(r.probe_correct) for r in rs])
+        qtypes = sorted({r.qtype for r in rs})
+        summaries.append(
+            ScenarioSummary(
+                mode=mode,
+                scenario=scenario,
+                n=len(rs),
+                full_prefill_accuracy=full,
+                accuracy=acc,
+                relative_accuracy=acc / full if full > 0 else float("nan"),
+                first_token_agreement=_mean([float(r.first_token_agree) for r in rs]),
+                mean_first_token_kl=_mean([r.first_token_kl for r in rs]),
+                mean_prompt_tokens=_mean([r.prompt_tokens for r in rs]),
+                mean_cached_tokens=_mean([r.probe_cached_tokens for r in rs]),
+                mean_cached_image_tokens=_mean([r.probe_cached_image_tokens for r in rs]),
+                per_qtype_accuracy={
+                    q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
+                },
+            )
+        )
+    return summaries
+
+
+class PromptLayout:
+    """Which positions of a prompt are image tokens, from the model's own processor."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def image_mask(self, messages_fn: Callable[..., list[dict]]) -> list[bool]:
+        """Per prompt token: is it an image token? ``messages_fn(image_part)`` builds
+        the same messages the server gets, with local image parts."""
+        images: list = []
+
+        def local_part(image) -> dict:
+            images.append(image)
+            return {"type": "image"}
+
+        messages = messages_fn(local_part)
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.processor(text=[text], images=images or None, return_tensors="pt")
+        return [int(t) == self.image_token_id for t in ids["input_ids"][0]]
+
+
+def format_table(summaries: list[ScenarioSummary]) -> str:
+    header = (
+        f"{'mode':<8} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} {'rel acc':>7} "
+        f"{'1st agree':>9} {'KL':>8} {'prompt':>7} {'cached':>7} {'img cached':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        lines.append(
+            f"{s.mode:<8} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
+            f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
+            f"{s.mean_first_token_kl:>8.4f} {s.mean_prompt_tokens:>7.1f} "
+            f"{s.mean_cached_tokens:>7.1f} {s.mean_cached_image_tokens:>10.1f}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(summaries: list[ScenarioSummary], records: dict[str, list[ProbeRecord]]) -> dict:
+    return {
+        "summaries": [asdict(s) for s in summaries],
+        "records": {mode: [asdict(r) for r in rs] for mode, rs in records.items()},
+    }

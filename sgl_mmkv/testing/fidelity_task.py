@@ -1,0 +1,193 @@
+"""A synthetic multi-image question-answering task whose answers need the right
+few tokens of the right image.
+
+Every image is 112 x 112 pixels (16 visual tokens of the tiny Qwen2-VL, one per
+28 x 28 cell): a plain background with one shape (circle, square or triangle) of
+another colour in one quadrant, so the answer lives in the 4 tokens of that
+quadrant. A prompt holds 1 to 8 labelled images ("Image 1: <image>") and one of:
+
+- ``colour``   (one specific image): "What colour is the shape in image 3?" -> "red"
+- ``which``    (comparison):          "Which image has a blue shape?"       -> "image 2"
+- ``where``    (detail inside one):   "Where is the shape in image 4?"      -> "top left"
+- ``kind``     (detail inside one):   "What shape is in image 1?"           -> "circle"
+
+Answers are short and scored by exact match. Same (split, index) -> same example.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from PIL import Image, ImageDraw
+
+IMAGE_SIZE = 112
+COLOURS: tuple[tuple[str, tuple[int, int, int]], ...] = (
+    ("red", (220, 30, 30)),
+    ("green", (30, 170, 50)),
+    ("blue", (40, 60, 220)),
+    ("yellow", (235, 215, 30)),
+    ("purple", (140, 40, 170)),
+    ("orange", (245, 140, 20)),
+    ("pink", (240, 110, 180)),
+    ("cyan", (30, 200, 210)),
+)
+MAX_IMAGES = 8
+BACKGROUNDS: tuple[tuple[int, int, int], ...] = ((250, 250, 250), (40, 40, 40), (150, 150, 150))
+KINDS = ("circle", "square", "triangle")
+QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+QUESTION_TYPES = ("colour", "which", "where", "kind")
+SPLIT_SEEDS = {"train": 1_000_003, "validation": 2_000_003, "test": 3_000_017}
+SYSTEM_PROMPT = "You answer questions about the images in few words."
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeImage:
+    """One image of the task: its background, and the shape's colour, kind and quadrant."""
+
+    colour: str
+    kind: str
+    quadrant: str
+    background: int
+    jitter: tuple[int, int, int]
+
+    def render(self) -> Image.Image:
+        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[self.background])
+        draw = ImageDraw.Draw(image)
+        half = IMAGE_SIZE // 2
+        col, row = QUADRANTS.index(self.quadrant) % 2, QUADRANTS.index(self.quadrant) // 2
+        dx, dy, size_delta = self.jitter
+        size = 38 + size_delta
+        x0 = col * half + (half - size) // 2 + dx
+        y0 = row * half + (half - size) // 2 + dy
+        box = (x0, y0, x0 + size, y0 + size)
+        fill = dict(COLOURS)[self.colour]
+        if self.kind == "circle":
+            draw.ellipse(box, fill=fill)
+        elif self.kind == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(x0 + size // 2, y0), (x0, y0 + size), (x0 + size, y0 + size)], fill=fill)
+        return image
+
+    def key(self) -> tuple:
+        return (self.colour, self.kind, self.quadrant, self.background, self.jitter)
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """A prompt: its images in order, the question, the answer and its type."""
+
+    split: str
+    index: int
+    images: tuple[ShapeImage, ...]
+    question: str
+    answer: str
+    qtype: str
+    target: int  # 0-based index of the image the answer depends on
+
+    def user_text_parts(self) -> list[tuple[str, int | None]]:
+        """The user turn as (text, image index) parts: a label before each image."""
+        parts: list[tuple[str, int | None]] = []
+        for i in range(len(self.images)):
+            parts.append((f"Image {i + 1}: ", None))
+            parts.append(("", i))
+            parts.append(("\n", None))
+        parts.append((self.question, None))
+        return parts
+
+    def uid(self) -> str:
+        text = repr([im.key() for im in self.images]) + self.question
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _random_image(rng: random.Random, colour: str | None = None) -> ShapeImage:
+    return ShapeImage(
+        colour=colour or rng.choice(COLOURS)[0],
+        kind=rng.choice(KINDS),
+        quadrant=rng.choice(QUADRANTS),
+        background=rng.randrange(len(BACKGROUNDS)),
+        jitter=(rng.randint(-4, 4), rng.randint(-4, 4), rng.randint(-6, 6)),
+    )
+
+
+def make_example(
+    split: str, index: int, num_images: int | None = None, qtype: str | None = None
+) -> Example:
+    """The ``index``-th example of ``split``; 1 to 8 images unless ``num_images`` is given."""
+    if split not in SPLIT_SEEDS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLIT_SEEDS)}")
+    rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + index)
+    n = num_images if num_images is not None else rng.randint(1, 8)
+    if not 1 <= n <= MAX_IMAGES:
+        raise ValueError(f"num_images must be in [1, {MAX_IMAGES}], got {n}")
+    qtype = qtype or rng.choice(QUESTION_TYPES)
+    target = rng.randrange(n)
+    if qtype == "which":
+        # Distinct colours, so exactly one image answers "which has a <colour> shape".
+        colours = rng.sample([c for c, _ in COLOURS], n)
+        images = tuple(_random_image(rng, c) for c in colours)
+    else:
+        images = tuple(_random_image(rng) for _ in range(n))
+    shape = images[target]
+    if qtype == "colour":
+        question, answer = f"What colour is the shape in image {target + 1}?", shape.colour
+    elif qtype == "which":
+        question, answer = f"Which image has a {shape.colour} shape?", f"image {target + 1}"
+    elif qtype == "where":
+        question, answer = f"Where is the shape in image {target + 1}?", shape.quadrant
+    elif qtype == "kind":
+        question, answer = f"What shape is in image {target + 1}?", shape.kind
+    else:
+        raise ValueError(f"unknown question type {qtype!r}")
+    return Example(split, index, images, question, answer, qtype, target)
+
+
+def make_split(split: str, count: int, start: int = 0, **kwargs) -> list[Example]:
+    return [make_example(split, i, **kwargs) for i in range(start, start + count)]
+
+
+def score(prediction: str, answer: str) -> bool:
+    """Exact match after trimming whitespace, a final full stop and case."""
+    return prediction.strip().rstrip(".").strip().lower() == answer.lower()
+
+
+def chat_messages(
+    example: Example,
+    image_part,
+    system: str = SYSTEM_PROMPT,
+    preamble: str | None = None,
+    order: list[int] | None = None,
+) -> list[dict]:
+    """OpenAI-style messages for ``example``.
+
+    Args:
+        image_part: maps a PIL image to one content part (a data-URL part for the
+            HTTP API, ``{"type": "image"}`` for a local processor).
+        system: the system prompt.
+        preamble: optional text before the first image (a changed prefix).
+        order: optional permutation: position j shows image ``order[j]``; the
+            labels and the question are renumbered so the answer is unchanged.
+    """
+    order = list(range(len(example.images))) if order is None else order
+    if sorted(order) != list(range(len(example.images))):
+        raise ValueError(f"order {order} is not a permutation of the images")
+    content: list[dict] = []
+    if preamble:
+        content.append({"type": "text", "text": preamble + "\n"})
+    for label, i in enumerate(order, start=1):
+        content.append({"type": "text", "text": f"Image {label}: "})
+        content.append(image_part(example.images[i].render()))
+        content.append({"type": "text", "text": "\n"})
+    new_label = order.index(example.target) + 1
+    question = example.question.replace(f"image {example.target + 1}", f"image {new_label}")
+    content.append({"type": "text", "text": question})
+    return [{"role": "system", "content": system}, {"role": "user", "content": content}]
+
+
+def relabelled_answer(example: Example, order: list[int] | None = None) -> str:
+    """The answer of ``example`` when its images are shown in ``order``."""
+    if order is None or example.qtype != "which":
+        return example.answer
+    return f"image {order.index(example.target) + 1}"

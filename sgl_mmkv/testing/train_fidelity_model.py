@@ -1,0 +1,179 @@
+"""Train the tiny Qwen2-VL on the synthetic multi-image task, on the CPU.
+
+    python -m sgl_mmkv.testing.train_fidelity_model --out models/fidelity-qwen2-vl
+
+The result is a normal checkpoint directory (see make_tiny_model) plus
+``training.json`` with the recipe and the validation accuracy reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from sgl_mmkv.testing.fidelity_task import (
+    SYSTEM_PROMPT,
+    Example,
+    chat_messages,
+    make_example,
+    relabelled_answer,
+)
+from sgl_mmkv.testing.make_tiny_model import TinyModelSpec, build_untrained, save_checkpoint
+
+FIDELITY_SPEC = TinyModelSpec(
+    hidden_size=192,
+    intermediate_size=512,
+    num_layers=4,
+    num_heads=6,
+    num_kv_heads=2,
+    vision_depth=2,
+    vision_width=96,
+    vision_heads=4,
+    initializer_range=0.02,
+    max_pixels=112 * 112,
+    min_pixels=112 * 112,
+)
+ALT_SYSTEM_PROMPTS = (
+    SYSTEM_PROMPT,
+    "You are a helpful assistant.",
+    "Look carefully at every picture before you answer.",
+)
+PREAMBLES = (None, None, "Here are some pictures.", "I took these photos today.")
+
+
+def _local_image_part(_image) -> dict:
+    return {"type": "image"}
+
+
+def render_training_text(processor, example: Example, rng: random.Random):
+    """(prompt text, full text with answer, images in prompt order) for one example."""
+    order = list(range(len(example.images)))
+    if rng.random() < 0.5:
+        rng.shuffle(order)
+    messages = chat_messages(
+        example,
+        _local_image_part,
+        system=rng.choice(ALT_SYSTEM_PROMPTS),
+        preamble=rng.choice(PREAMBLES),
+        order=order,
+    )
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    full = prompt + relabelled_answer(example, order) + "<|im_end|>\n"
+    images = [example.images[i].render() for i in order]
+    return prompt, full, images
+
+
+def collate(processor, examples: list[Example], rng: random.Random) -> dict:
+    prompts, fulls, images = [], [], []
+    for example in examples:
+        prompt, full, ims = render_training_text(processor, example, rng)
+        prompts.append(prompt)
+        fulls.append(full)
+        images.extend(ims)
+    batch = processor(text=fulls, images=images, return_tensors="pt", padding=True)
+    prompt_ids = processor(text=prompts, images=images, return_tensors="pt", padding=True)
+    prompt_lens = prompt_ids["attention_mask"].sum(dim=1)
+    labels = batch["input_ids"].clone()
+    labels[batch["attention_mask"] == 0] = -100
+    for row, length in enumerate(prompt_lens.tolist()):
+        labels[row, :length] = -100
+    batch["labels"] = labels
+    return batch
+
+
+@torch.no_grad()
+def answer_accuracy(model, processor, examples: list[Example], batch_size: int = 16) -> float:
+    """Teacher-forced exact match: every answer token is the argmax (fast proxy)."""
+    model.eval()
+    rng = random.Random(0)
+    correct = 0
+    for start in range(0, len(examples), batch_size):
+        batch = collate(processor, examples[start : start + batch_size], rng)
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, :-1]
+        target = labels[:, 1:]
+        mask = target != -100
+        hit = (logits.argmax(-1) == target) | ~mask
+        correct += int(hit.all(dim=1).sum())
+    model.train()
+    return correct / len(examples)
+
+
+def train(
+    out: Path, steps: int, batch_size: int, lr: float, seed: int, log_every: int = 50
+) -> dict:
+    from transformers import AutoProcessor
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)
+    staging = save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
+    processor = AutoProcessor.from_pretrained(staging)
+    validation = [make_example("validation", i) for i in range(128)]
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=steps, pct_start=0.05
+    )
+    model.train()
+    started = time.monotonic()
+    history = []
+    for step in range(1, steps + 1):
+        examples = [make_example("train", rng.randrange(10**9)) for _ in range(batch_size)]
+        loss = model(**collate(processor, examples, rng)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % log_every == 0 or step == steps:
+            entry = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "s": round(time.monotonic() - started),
+            }
+            if step % (log_every * 4) == 0 or step == steps:
+                entry["val_acc"] = answer_accuracy(model, processor, validation)
+            history.append(entry)
+            print(json.dumps(entry), flush=True)
+    model.eval()
+    save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
+    record = {
+        "arch": "qwen2_vl",
+        "spec": asdict(FIDELITY_SPEC),
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "train_seconds": round(time.monotonic() - started),
+        "validation_teacher_forced_accuracy": history[-1].get("val_acc"),
+        "history": history,
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    record = train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.log_every)
+    print(f"validation accuracy {record['validation_teacher_forced_accuracy']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The synthetic multi-image task: deterministic, split-separated, well-posed."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_mmkv.testing.fidelity_bench import kl_from_top_logprobs, scenario_requests
+from sgl_mmkv.testing.fidelity_task import (
+    MAX_IMAGES,
+    QUESTION_TYPES,
+    chat_messages,
+    make_example,
+    make_split,
+    relabelled_answer,
+    score,
+)
+from sgl_mmkv.testing.images import image_part
+
+
+def test_same_index_same_example_and_pixels():
+    a, b = make_example("test", 7), make_example("test", 7)
+    assert a == b
+    assert [im.render().tobytes() for im in a.images] == [im.render().tobytes() for im in b.images]
+    assert make_example("test", 8) != a
+
+
+def test_splits_do_not_overlap():
+    uids = {
+        split: {e.uid() for e in make_split(split, 300)}
+        for split in ("train", "validation", "test")
+    }
+    assert not uids["train"] & uids["test"]
+    assert not uids["validation"] & uids["test"]
+    assert not uids["train"] & uids["validation"]
+
+
+def test_covers_every_question_type_and_image_count():
+    examples = make_split("test", 400)
+    assert {e.qtype for e in examples} == set(QUESTION_TYPES)
+    assert {len(e.images) for e in examples} == set(range(1, MAX_IMAGES + 1))
+
+
+@pytest.mark.parametrize("qtype", QUESTION_TYPES)
+def test_answer_follows_from_the_target_image(qtype):
+    for i in range(50):
+        e = make_example("validation", i, qtype=qtype)
+        target = e.images[e.target]
+        expected = {
+            "colour": target.colour,
+            "which": f"image {e.target + 1}",
+            "where": target.quadrant,
+            "kind": target.kind,
+        }[qtype]
+        assert e.answer == expected
+        if qtype == "which":  # the colour names exactly one image
+            assert [im.colour for im in e.images].count(target.colour) == 1
+
+
+def test_shape_pixels_sit_in_the_stated_quadrant():
+    e = make_example("test", 3, num_images=1)
+    image = e.images[0]
+    pixels = image.render().load()
+    col = ("left", "right").index(image.quadrant.split()[1])
+    row = ("top", "bottom").index(image.quadrant.split()[0])
+    centre = (col * 56 + 28, row * 56 + 36)  # low in the cell: inside triangles too
+    background = image.render().getpixel((0 if col else 111, 0 if row else 111))
+    assert pixels[centre] != background
+
+
+def test_reordering_relabels_question_and_answer():
+    e = make_example("test", 11, num_images=4, qtype="which")
+    order = [3, 2, 1, 0]
+    assert relabelled_answer(e, order) == f"image {order.index(e.target) + 1}"
+    e2 = make_example("test", 12, num_images=4, qtype="colour")
+    text = chat_messages(e2, image_part, order=order)[1]["content"][-1]["text"]
+    assert text.endswith(f"image {order.index(e2.target) + 1}?")
+
+
+def test_scenarios_share_the_final_prompt_and_differ_in_warmup():
+    e = make_example("test", 5, num_images=3)
+    canonical = scenario_requests(e, "repeat")[1]
+    for scenario in ("changed_prefix", "reordered"):
+        warmups, final = scenario_requests(e, scenario)
+        assert final == canonical
+        assert warmups[0] != canonical
+    warmups, conversation = scenario_requests(e, "multi_turn")
+    assert conversation[: len(warmups[0])] == warmups[0]
+    assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user"]
+
+
+def test_score_is_exact_match():
+    assert score(" Red.", "red")
+    assert not score("red circle", "red")
+
+
+def test_kl_of_identical_distributions_is_zero_and_grows_with_change():
+    p = {"a": -0.1, "b": -2.5, "c": -4.0}
+    assert kl_from_top_logprobs(p, p) == pytest.approx(0.0, abs=1e-12)
+    q = {"a": -1.0, "b": -0.6, "c": -4.0}
+    far = {"b": -0.01, "c": -5.0}
+    assert 0 < kl_from_top_logprobs(p, q) < kl_from_top_logprobs(p, far)
