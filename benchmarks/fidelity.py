@@ -54,6 +54,12 @@ def server_for(mode: str, model: Path, budget: float | None, log_dir: Path) -> S
     )
 
 
+def machine_description() -> str:
+    import os
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
+
+
 def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> None:
     import matplotlib
 
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     result = {
         "command": "python benchmarks/fidelity.py " + " ".join(argv or sys.argv[1:]),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
+        "machine": machine_description(),
         "model_path": str(args.model_path),
         "num_examples": args.num_examples,
         "seconds": round(time.monotonic() - started, 1),
