@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.cpu_support import cuda_available, prepare_cpu_process
 
 # SGLang reads these at import: set them before any test module imports it.
 prepare_cpu_process()
+# Our Triton kernels run on the CPU under the interpreter; it must be chosen
+# before triton is imported. Servers started by the tests do not inherit it.
+if not cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

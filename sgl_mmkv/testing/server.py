@@ -48,6 +48,7 @@ def stock_cpu_env() -> dict[str, str]:
     sides of a comparison run with identical process settings.
     """
     env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # a test-process setting, not a server one
     for key, value in CPU_ENV_DEFAULTS.items():
         env.setdefault(key, value)
     if not real_sgl_kernel_installed():
