@@ -12,19 +12,15 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from sgl_mmkv.refresh.scorers import SCORERS
+
 CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 
-# Every --mm-reuse choice, in the order the help text lists them.
+# Every --mm-reuse choice: the two cache modes, then one per refresh scorer.
 REUSE_MODES: dict[str, str] = {
     "off": "stock SGLang: no sgl_mmkv code in the scheduler",
     "exact": "sgl_mmkv's radix cache, exact-prefix reuse only (same hits as stock)",
-    "conduit": "position-independent image segments + CONDUIT selective refresh",
-    "full": "baseline: recompute every reused image token",
-    "reuse": "baseline: re-positioned stale KV, refresh text only (budget 0)",
-    "first": "baseline: refresh the first tokens of each image",
-    "cacheblend": "baseline: refresh the tokens with the largest KV deviation",
-    "prophetkv": "baseline: CONDUIT's attention score without the value norm",
-    "random": "baseline: a seeded random subset",
+    **{name: (cls.__doc__ or name).split("\n")[0] for name, cls in SCORERS.items()},
 }
 IMPLEMENTED_REUSE_MODES: tuple[str, ...] = ("off", "exact")
 

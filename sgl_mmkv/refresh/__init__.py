@@ -1,0 +1,1 @@
+"""Selective refresh of reused image KV: scoring, selection (and, later, execution)."""

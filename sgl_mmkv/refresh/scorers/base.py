@@ -1,0 +1,83 @@
+"""One interface for every refresh scorer: ``score()`` per visual token, shared top-k.
+
+A scorer sees what the scoring pass of a reuse plan produces (queries of the
+query span, the row's re-positioned K and V per layer) and returns one score per
+visual token; :meth:`RefreshScorer.select` turns scores into the refreshed set
+under a budget. Methods with a selection rule of their own override ``select``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringInputs:
+    """What the scoring pass of one request hands to a scorer.
+
+    Attributes:
+        queries: per scored layer ``(n_q, H_q, d)``, RoPE applied, of the query span.
+        keys: per scored layer ``(n, H_kv, d)``, the whole row (stale, re-positioned
+            image K; fresh text K), RoPE applied.
+        values: per scored layer ``(n, H_kv, d)``, the row's V (pre-o_proj).
+        query_positions: ``(n_q,)`` row positions of the queries.
+        image_spans: ``[(start, end), ...]`` row ranges of the reused images, in order.
+        fresh_keys, fresh_values: optional, per scored layer ``(n, H_kv, d)``, the
+            row recomputed in full at that layer (CacheBlend's deviation signal).
+    """
+
+    queries: tuple[torch.Tensor, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    query_positions: torch.Tensor
+    image_spans: tuple[tuple[int, int], ...]
+    fresh_keys: tuple[torch.Tensor, ...] | None = None
+    fresh_values: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def visual_positions(self) -> torch.Tensor:
+        """``(N_v,)`` row positions of the visual tokens, image by image."""
+        return torch.cat([torch.arange(s, e) for s, e in self.image_spans])
+
+    @property
+    def num_visual(self) -> int:
+        return sum(e - s for s, e in self.image_spans)
+
+    def image_ids(self) -> torch.Tensor:
+        """``(N_v,)`` index of the image each visual token belongs to."""
+        return torch.cat(
+            [torch.full((e - s,), j, dtype=torch.long) for j, (s, e) in enumerate(self.image_spans)]
+        )
+
+
+def budget_count(budget: float, num_visual: int) -> int:
+    """``ceil(r * N_v)`` tokens, as the CONDUIT paper's selection."""
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"refresh budget must be in [0, 1], got {budget}")
+    return min(num_visual, math.ceil(budget * num_visual - 1e-9))
+
+
+class RefreshScorer(ABC):
+    """Scores visual tokens; higher means more worth recomputing."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        """``(N_v,)`` float scores in :attr:`ScoringInputs.visual_positions` order."""
+
+    def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
+        """Sorted ``(k,)`` row positions to refresh: one global top-k of the scores."""
+        k = budget_count(budget, inputs.num_visual)
+        scores = self.score(inputs)
+        if scores.shape != (inputs.num_visual,):
+            raise ValueError(
+                f"{self.name}: {tuple(scores.shape)} scores for {inputs.num_visual} tokens"
+            )
+        top = torch.topk(scores.float(), k, sorted=False).indices
+        return inputs.visual_positions[top].sort().values

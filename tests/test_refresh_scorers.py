@@ -1,0 +1,195 @@
+"""One test matrix for every refresh scorer in the registry (kvpress style), plus
+each method's own defining property."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sgl_mmkv.config import REUSE_MODES
+from sgl_mmkv.refresh.scorers import SCORERS, ScoringInputs, budget_count, make_scorer
+from sgl_mmkv.refresh.scorers.attention import attention_mass
+from sgl_mmkv.refresh.scorers.conduit import image_amplification
+
+BUDGETS = (0.0, 0.05, 0.1, 0.2, 1.0)
+
+
+def make_inputs(
+    seed: int = 0,
+    spans=((5, 21), (24, 40), (43, 59)),
+    n: int = 70,
+    layers: int = 3,
+    h_q: int = 4,
+    h_kv: int = 2,
+    d: int = 16,
+) -> ScoringInputs:
+    g = torch.Generator().manual_seed(seed)
+    query_positions = torch.arange(spans[-1][1] + 1, n)
+    keys = tuple(torch.randn(n, h_kv, d, generator=g) for _ in range(layers))
+    values = tuple(torch.randn(n, h_kv, d, generator=g) for _ in range(layers))
+    return ScoringInputs(
+        queries=tuple(
+            torch.randn(len(query_positions), h_q, d, generator=g) for _ in range(layers)
+        ),
+        keys=keys,
+        values=values,
+        query_positions=query_positions,
+        image_spans=tuple(spans),
+        fresh_keys=tuple(k + 0.1 * torch.randn(k.shape, generator=g) for k in keys),
+        fresh_values=tuple(v + 0.1 * torch.randn(v.shape, generator=g) for v in values),
+    )
+
+
+def expected_count(name: str, budget: float, inputs: ScoringInputs) -> int:
+    if name == "full":
+        return inputs.num_visual
+    if name == "reuse":
+        return 0
+    if name == "first":
+        return sum(budget_count(budget, e - s) for s, e in inputs.image_spans)
+    return budget_count(budget, inputs.num_visual)
+
+
+def test_registry_names_are_the_cli_choices():
+    assert set(SCORERS) <= set(REUSE_MODES)
+    assert set(REUSE_MODES) - set(SCORERS) == {"off", "exact"}
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS))
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_selection_invariants(name, budget):
+    inputs = make_inputs()
+    scorer = make_scorer(name)
+    chosen = scorer.select(inputs, budget)
+    visual = set(inputs.visual_positions.tolist())
+
+    assert chosen.numel() == expected_count(name, budget, inputs)
+    assert set(chosen.tolist()) <= visual  # only image tokens are refreshed
+    assert chosen.unique().numel() == chosen.numel()  # no token twice
+    assert torch.equal(chosen, chosen.sort().values)
+    assert torch.equal(scorer.select(inputs, budget), chosen)  # deterministic
+
+
+@pytest.mark.parametrize("name", sorted(set(SCORERS) - {"first", "full", "reuse"}))
+@pytest.mark.parametrize("budget", (0.05, 0.1, 0.2))
+def test_chosen_tokens_are_exactly_the_top_scored(name, budget):
+    inputs = make_inputs(seed=3)
+    scorer = make_scorer(name)
+    scores = scorer.score(inputs)
+    assert scores.shape == (inputs.num_visual,) and torch.isfinite(scores).all()
+    chosen = scorer.select(inputs, budget)
+    in_chosen = torch.isin(inputs.visual_positions, chosen)
+    assert scores[in_chosen].min() >= scores[~in_chosen].max()
+
+
+def test_budget_count_is_ceil_and_validated():
+    assert budget_count(0.1, 48) == math.ceil(4.8) == 5
+    assert budget_count(0.1, 40) == 4
+    assert budget_count(1.0, 7) == 7
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        budget_count(1.5, 10)
+
+
+def test_unknown_scorer_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown refresh scorer 'magic'"):
+        make_scorer("magic")
+
+
+def test_attention_mass_matches_a_loop_over_queries_and_heads():
+    inputs = make_inputs(seed=5, h_q=4, h_kv=2)
+    q, k = inputs.queries[0], inputs.keys[0]
+    got = attention_mass(q, k, inputs.query_positions)
+    want = torch.zeros(k.shape[0])
+    for i, p in enumerate(inputs.query_positions.tolist()):
+        for h in range(q.shape[1]):
+            logits = (k[: p + 1, h // 2] @ q[i, h]) / math.sqrt(q.shape[-1])
+            want[: p + 1] += torch.softmax(logits, dim=0)
+    want /= q.shape[0] * q.shape[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_attention_mass_is_causal_by_position():
+    inputs = make_inputs(seed=6)
+    early = torch.tensor([30])  # a query in the middle of the row sees keys <= 30 only
+    mass = attention_mass(inputs.queries[0][:1], inputs.keys[0], early)
+    assert mass[31:].abs().max() == 0 and mass[:31].sum() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_conduit_is_prophetkv_times_value_norm_times_image_factor():
+    inputs = make_inputs(seed=7)
+    pos = inputs.visual_positions
+    alpha = torch.stack(
+        [
+            attention_mass(q, k, inputs.query_positions)[pos]
+            for q, k in zip(inputs.queries, inputs.keys, strict=True)
+        ]
+    )
+    vnorm = torch.stack([v[pos].flatten(1).norm(dim=-1) for v in inputs.values])
+    s = (alpha * vnorm).mean(0)
+    m = torch.stack([s[inputs.image_ids() == j].clamp(min=0).mean() for j in range(3)])
+    want = s * (m / m.mean())[inputs.image_ids()]  # lambda = 1: c_j = m_j / mean m
+    torch.testing.assert_close(make_scorer("conduit").score(inputs), want, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(make_scorer("prophetkv").score(inputs), alpha.mean(0))
+
+
+def test_image_amplification_is_one_for_a_single_image_and_averages_to_one():
+    scores = torch.rand(16)
+    assert torch.equal(
+        image_amplification(scores, torch.zeros(16, dtype=torch.long), 1.0), torch.ones(16)
+    )
+    ids = torch.arange(3).repeat_interleave(5)
+    factor = image_amplification(torch.rand(15), ids, 1.0)
+    assert factor[::5].mean().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_conduit_prefers_the_image_the_queries_attend_to():
+    """Queries aligned with image 2's keys: CONDUIT's top 10 % all come from image 2."""
+    inputs = make_inputs(seed=8)
+    s, e = inputs.image_spans[1]
+    u = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))  # one per KV head
+    queries = tuple(u.repeat_interleave(2, 0).expand_as(q).clone() for q in inputs.queries)
+    boosted = tuple(k.clone() for k in inputs.keys)
+    for k in boosted:
+        k[s:e] = 0.5 * u + 0.1 * k[s:e]
+    steered = ScoringInputs(
+        queries, boosted, inputs.values, inputs.query_positions, inputs.image_spans
+    )
+    chosen = make_scorer("conduit").select(steered, 0.1)
+    assert ((chosen >= s) & (chosen < e)).all()
+
+
+def test_first_takes_the_leading_tokens_of_each_image():
+    inputs = make_inputs()
+    chosen = make_scorer("first").select(inputs, 0.1)
+    assert chosen.tolist() == [5, 6, 24, 25, 43, 44]
+
+
+def test_cacheblend_needs_fresh_kv_and_ranks_by_deviation():
+    inputs = make_inputs(seed=9)
+    plain = ScoringInputs(
+        inputs.queries, inputs.keys, inputs.values, inputs.query_positions, inputs.image_spans
+    )
+    with pytest.raises(ValueError, match="fresh K/V"):
+        make_scorer("cacheblend").score(plain)
+    fresh_k = tuple(k.clone() for k in inputs.keys)
+    fresh_k[0][30] += 100.0  # one token deviates a lot
+    marked = ScoringInputs(
+        inputs.queries,
+        inputs.keys,
+        inputs.values,
+        inputs.query_positions,
+        inputs.image_spans,
+        fresh_keys=fresh_k,
+        fresh_values=inputs.values,
+    )
+    assert make_scorer("cacheblend").select(marked, 0.02).tolist() == [30]
+
+
+def test_random_depends_on_its_seed_only():
+    inputs = make_inputs()
+    a = make_scorer("random", seed=1).select(inputs, 0.2)
+    assert torch.equal(a, make_scorer("random", seed=1).select(make_inputs(seed=4), 0.2))
+    assert not torch.equal(a, make_scorer("random", seed=2).select(inputs, 0.2))
