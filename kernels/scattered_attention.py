@@ -1,0 +1,70 @@
+"""Attention for queries at scattered row positions over a paged row.
+
+A refresh forward recomputes only some rows of a request (all text and the
+selected image tokens). Their queries sit at arbitrary positions of the row and
+attend causally *by position* over the whole row, whose KV lives in pool slots
+``row_slots`` (fresh KV for refreshed rows, re-positioned stale KV for the rest).
+
+``scattered_attention`` runs the Triton kernel on CUDA or under
+``TRITON_INTERPRET=1`` and ``scattered_attention_reference`` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def scattered_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    row_slots: torch.Tensor,
+    query_positions: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Causal-by-position attention of scattered queries over one request row.
+
+    Args:
+        q: ``(n_q, H_q, d)`` queries, RoPE applied.
+        k_buffer, v_buffer: ``(slots, H_kv, d)`` one layer of the KV pool.
+        row_slots: ``(n,)`` int64: the slot of row position ``j`` is ``row_slots[j]``.
+        query_positions: ``(n_q,)`` row position of each query; query ``i`` sees
+            keys ``j <= query_positions[i]``.
+        sm_scale: softmax scale, default ``1 / sqrt(d)``.
+    Returns:
+        ``(n_q, H_q, d)`` in ``q``'s dtype (computed in float32).
+    """
+    n_q, h_q, d = q.shape
+    h_kv = k_buffer.shape[1]
+    scale = sm_scale if sm_scale is not None else d**-0.5
+    k = k_buffer[row_slots].float().repeat_interleave(h_q // h_kv, dim=1)
+    v = v_buffer[row_slots].float().repeat_interleave(h_q // h_kv, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    visible = torch.arange(row_slots.numel())[None, :] <= query_positions.cpu()[:, None]
+    logits = logits.masked_fill(~visible.to(logits.device)[None], float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v)
+    return out.to(q.dtype)
+
+
+def scattered_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    row_slots: torch.Tensor,
+    query_positions: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`scattered_attention_reference`."""
+    if q.shape[1] % k_buffer.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_buffer.shape[1]}")
+    if int(query_positions.max()) >= row_slots.numel() or int(query_positions.min()) < 0:
+        raise ValueError("a query position lies outside the row")
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return scattered_attention_reference(
+            q, k_buffer, v_buffer, row_slots, query_positions, sm_scale
+        )
+    from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
+
+    return scattered_attention_triton(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)

@@ -1,0 +1,70 @@
+"""Scattered-query attention and the scoring reduction: Triton kernels vs torch references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sgl_mmkv.kernels.scattered_attention import scattered_attention, scattered_attention_reference
+from sgl_mmkv.refresh.scorers.attention import attention_mass
+
+TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
+SHAPES = [(1, 1, 1, 8, 5), (7, 4, 2, 16, 40), (12, 6, 2, 32, 97), (3, 8, 8, 64, 33)]
+
+
+def _case(n_q, h_q, h_kv, d, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots_total = 2 * n + 3
+    k = torch.randn(slots_total, h_kv, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(slots_total, h_kv, d, generator=g).to(DEVICE, dtype)
+    row_slots = torch.randperm(slots_total, generator=g)[:n].to(DEVICE)  # a paged, shuffled row
+    q = torch.randn(n_q, h_q, d, generator=g).to(DEVICE, dtype)
+    query_positions = torch.randint(0, n, (n_q,), generator=g).to(DEVICE)
+    query_positions[0] = 0  # a query that sees one key only
+    return q, k, v, row_slots, query_positions
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
+def test_scattered_attention_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
+    q, k, v, slots, pos = _case(n_q, h_q, h_kv, d, n, dtype)
+    want = scattered_attention_reference(q, k, v, slots, pos)
+    got = scattered_attention(q, k, v, slots, pos)
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
+def test_attention_mass_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
+    from sgl_mmkv.kernels.scattered_attention_triton import attention_mass_triton
+
+    q, k, _, slots, pos = _case(n_q, h_q, h_kv, d, n, dtype, seed=1)
+    want = attention_mass(q.float().cpu(), k[slots].float().cpu(), pos.cpu())
+    got = attention_mass_triton(q, k, slots, pos).cpu()
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert got.sum().item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_reference_equals_full_causal_attention_when_queries_are_the_whole_row():
+    q, k, v, slots, _ = _case(9, 4, 2, 16, 9, torch.float32, seed=2)
+    pos = torch.arange(9, device=DEVICE)
+    got = scattered_attention_reference(q, k, v, slots, pos)
+    kk = k[slots].repeat_interleave(2, 1).transpose(0, 1)
+    vv = v[slots].repeat_interleave(2, 1).transpose(0, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kk, vv, is_causal=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_query_outside_the_row_is_rejected():
+    q, k, v, slots, _ = _case(2, 2, 2, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="outside the row"):
+        scattered_attention(q, k, v, slots, torch.tensor([0, 4], device=DEVICE))
