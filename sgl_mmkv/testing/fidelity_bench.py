@@ -28,7 +28,6 @@ import requests
 from sgl_mmkv.testing.fidelity_task import (
     Example,
     chat_messages,
-    relabelled_answer,
     score,
 )
 from sgl_mmkv.testing.images import image_part
@@ -213,7 +212,7 @@ def measure(
                     f"local prompt has {len(image_mask)} tokens, the server's "
                     f"{probe.prompt_tokens}: the processor and the server disagree"
                 )
-            answer = relabelled_answer(example)
+            answer = example.answer
             record = ProbeRecord(
                 uid=example.uid(),
                 qtype=example.qtype,

@@ -23,7 +23,6 @@ from sgl_mmkv.testing.fidelity_task import (
     Example,
     chat_messages,
     make_example,
-    relabelled_answer,
 )
 from sgl_mmkv.testing.make_tiny_model import TinyModelSpec, build_untrained, save_checkpoint
 
@@ -65,7 +64,7 @@ def render_training_text(processor, example: Example, rng: random.Random):
         order=order,
     )
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-    full = prompt + relabelled_answer(example, order) + "<|im_end|>\n"
+    full = prompt + example.answer + "<|im_end|>\n"
     images = [example.images[i].render() for i in order]
     return prompt, full, images
 
