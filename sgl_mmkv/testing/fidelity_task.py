@@ -143,9 +143,7 @@ def make_example(
                 replace(im, kind=shape.kind) if i == other else im for i, im in enumerate(images)
             )
         same = images[other].kind == shape.kind
-        question = (
-            f"Are the {shape.colour} and {images[other].colour} shapes the same kind?"
-        )
+        question = f"Are the {shape.colour} and {images[other].colour} shapes the same kind?"
         answer = "yes" if same else "no"
     else:
         raise ValueError(f"unknown question type {qtype!r}")
