@@ -106,13 +106,28 @@ def answer_accuracy(model, processor, examples: list[Example], batch_size: int =
 
 
 def train(
-    out: Path, steps: int, batch_size: int, lr: float, seed: int, log_every: int = 50
+    out: Path,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    log_every: int = 50,
+    init_from: Path | None = None,
 ) -> dict:
-    from transformers import AutoProcessor
+    """Train from random weights, or continue from the checkpoint ``init_from``."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)
+    earlier: list[dict] = []
+    if init_from is not None:
+        model = AutoModelForImageTextToText.from_pretrained(init_from).to(torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(init_from)
+        record_path = Path(init_from) / "training.json"
+        if record_path.exists():
+            earlier = json.loads(record_path.read_text()).get("phases", [])
+    else:
+        model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)
     staging = save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
     processor = AutoProcessor.from_pretrained(staging)
     validation = [make_example("validation", i) for i in range(128)]
@@ -144,9 +159,8 @@ def train(
             print(json.dumps(entry), flush=True)
     model.eval()
     save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
-    record = {
-        "arch": "qwen2_vl",
-        "spec": asdict(FIDELITY_SPEC),
+    phase = {
+        "init_from": str(init_from) if init_from else None,
         "steps": steps,
         "batch_size": batch_size,
         "lr": lr,
@@ -154,6 +168,15 @@ def train(
         "train_seconds": round(time.monotonic() - started),
         "validation_teacher_forced_accuracy": history[-1].get("val_acc"),
         "history": history,
+    }
+    phases = [*earlier, phase]
+    record = {
+        "arch": "qwen2_vl",
+        "spec": asdict(FIDELITY_SPEC),
+        "total_steps": sum(p["steps"] for p in phases),
+        "total_train_seconds": sum(p["train_seconds"] for p in phases),
+        "validation_teacher_forced_accuracy": phase["validation_teacher_forced_accuracy"],
+        "phases": phases,
     }
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -167,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--init-from", type=Path, help="continue from this checkpoint")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    record = train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.log_every)
+    record = train(
+        args.out, args.steps, args.batch_size, args.lr, args.seed, args.log_every, args.init_from
+    )
     print(f"validation accuracy {record['validation_teacher_forced_accuracy']}")
     return 0
 
