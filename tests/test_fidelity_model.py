@@ -1,4 +1,8 @@
-"""The committed trained model in real SGLang, and the fidelity benchmark end to end."""
+"""The fidelity benchmark end to end through a real sgl_mmkv server.
+
+Run on the tiny random-weight VLM: what is asserted here (cache hits, agreement
+of exact reuse with full prefill, the script's outputs) does not depend on the
+model answering well. Accuracy claims need the trained model (issue 3)."""
 
 from __future__ import annotations
 
@@ -9,11 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.testing.evaluate_fidelity_model import (
-    SUBSET_SIZE,
-    accuracy_report,
-    full_prefill_answers,
-)
+from sgl_mmkv.testing.evaluate_fidelity_model import accuracy_report, full_prefill_answers
 from sgl_mmkv.testing.fidelity_bench import (
     FidelityClient,
     PromptLayout,
@@ -24,30 +24,37 @@ from sgl_mmkv.testing.fidelity_task import make_split
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "models" / "fidelity-qwen2-vl"
-RECORDED = json.loads((MODEL / "accuracy.json").read_text())
-MARGIN = 0.1  # 32 examples: one wrong answer is 0.03
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "fidelity_exact.log"
     with ServerProcess(
-        "sgl_mmkv.launch_server", MODEL, ["--mm-reuse", "exact", *CPU_SERVER_ARGS], log_path=log
+        "sgl_mmkv.launch_server", tiny_vlm, ["--mm-reuse", "exact", *CPU_SERVER_ARGS], log_path=log
     ) as proc:
         yield proc
 
 
-def test_committed_model_reaches_its_recorded_accuracy(server):
-    examples = make_split("test", SUBSET_SIZE)
-    report = accuracy_report(examples, full_prefill_answers(server.base_url, examples))
-    assert report["accuracy"] >= RECORDED["subset_accuracy"] - MARGIN, report
-    assert RECORDED["accuracy"] >= 0.9  # the model was committed at >= 90 % on test[0:200]
+def test_full_prefill_answers_are_scored_per_type(server):
+    examples = make_split("test", 6)
+    answers = full_prefill_answers(server.base_url, examples)
+    report = accuracy_report(examples, answers)
+    assert len(answers) == report["n"] == 6
+    assert set(report["per_qtype"]) == {e.qtype for e in examples}
+    # Random weights: whatever it answers, the score is the exact-match count.
+    assert (
+        report["accuracy"]
+        == sum(
+            a.strip().rstrip(".").lower() == e.answer
+            for a, e in zip(answers, examples, strict=True)
+        )
+        / 6
+    )
 
 
-def test_exact_reuse_agrees_with_full_prefill_and_stock_reuses_no_moved_image(server):
+def test_exact_reuse_agrees_with_full_prefill_and_stock_reuses_no_moved_image(server, tiny_vlm):
     examples = make_split("test", 3, num_images=3)
-    records = measure(FidelityClient(server.base_url), PromptLayout(str(MODEL)), examples)
+    records = measure(FidelityClient(server.base_url), PromptLayout(str(tiny_vlm)), examples)
     by = {s.scenario: s for s in summarise("exact", records)}
     repeat = [r for r in records if r.scenario == "repeat"]
     assert by["repeat"].first_token_agreement == 1.0
@@ -62,11 +69,13 @@ def test_exact_reuse_agrees_with_full_prefill_and_stock_reuses_no_moved_image(se
     assert all(r.probe_cached_image_tokens == 32 for r in turns)
 
 
-def test_benchmark_script_runs_end_to_end(tmp_path):
+def test_benchmark_script_runs_end_to_end(tmp_path, tiny_vlm):
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "fidelity.py"),
+            "--model-path",
+            str(tiny_vlm),
             "--modes",
             "exact",
             "--num-examples",
