@@ -14,6 +14,36 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_scores(
+    q,
+    k_ptr,
+    slots_ptr,
+    start,
+    n_keys,
+    pos,
+    kv_head,
+    stride_ks,
+    stride_kh,
+    sm_scale,
+    dims,
+    dmask,
+    BLOCK_N: tl.constexpr,
+):
+    """Scores of one key block: (scaled q.k with -inf where not visible, slots, visible)."""
+    j = start + tl.arange(0, BLOCK_N)
+    in_row = j < n_keys
+    visible = in_row & (j <= pos)
+    slot = tl.load(slots_ptr + j, mask=in_row, other=0).to(tl.int64)
+    k = tl.load(
+        k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+        mask=visible[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    s = tl.where(visible, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))
+    return s, slot, visible, j
+
+
+@triton.jit
 def _scattered_attention_kernel(
     q_ptr,
     k_ptr,
@@ -48,24 +78,27 @@ def _scattered_attention_kernel(
     denom = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, n_keys, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        in_row = j < n_keys
-        visible = in_row & (j <= pos)
-        slot = tl.load(slots_ptr + j, mask=in_row, other=0).to(tl.int64)
-        kv_mask = visible[:, None] & dmask[None, :]
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * sm_scale
-        s = tl.where(visible, s, float("-inf"))
+        s, slot, visible, _ = _block_scores(
+            q,
+            k_ptr,
+            slots_ptr,
+            start,
+            n_keys,
+            pos,
+            kv_head,
+            stride_ks,
+            stride_kh,
+            sm_scale,
+            dims,
+            dmask,
+            BLOCK_N,
+        )
         m_new = tl.maximum(m, tl.max(s, axis=0))
         rescale = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
         v = tl.load(
             v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-            mask=kv_mask,
+            mask=visible[:, None] & dmask[None, :],
             other=0.0,
         ).to(tl.float32)
         denom = denom * rescale + tl.sum(p, axis=0)
@@ -107,30 +140,40 @@ def _attention_mass_kernel(
     m = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
     denom = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
     for start in range(0, n_keys, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        in_row = j < n_keys
-        visible = in_row & (j <= pos)
-        slot = tl.load(slots_ptr + j, mask=in_row, other=0).to(tl.int64)
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=visible[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        s = tl.where(visible, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))
+        s, _, visible, j = _block_scores(
+            q,
+            k_ptr,
+            slots_ptr,
+            start,
+            n_keys,
+            pos,
+            kv_head,
+            stride_ks,
+            stride_kh,
+            sm_scale,
+            dims,
+            dmask,
+            BLOCK_N,
+        )
         m_new = tl.maximum(m, tl.max(s, axis=0))
         denom = denom * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
         m = m_new
     for start in range(0, n_keys, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        in_row = j < n_keys
-        visible = in_row & (j <= pos)
-        slot = tl.load(slots_ptr + j, mask=in_row, other=0).to(tl.int64)
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=visible[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        s = tl.where(visible, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))
+        s, _, visible, j = _block_scores(
+            q,
+            k_ptr,
+            slots_ptr,
+            start,
+            n_keys,
+            pos,
+            kv_head,
+            stride_ks,
+            stride_kh,
+            sm_scale,
+            dims,
+            dmask,
+            BLOCK_N,
+        )
         p = tl.exp(s - m) / denom * weight
         tl.atomic_add(out_ptr + j, p, mask=visible)
 
