@@ -31,11 +31,19 @@ def _register_radix_cache_backend() -> None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND_NAME, build_mmkv_radix_cache)
 
 
+def _install(config) -> None:
+    _register_radix_cache_backend()
+    if config is not None and config.uses_mmkv_cache:
+        from sgl_mmkv.patches import scheduler_internal_state
+
+        scheduler_internal_state.register()
+
+
 def load() -> None:
     """Register sgl_mmkv with SGLang in this process."""
     try:
-        _register_radix_cache_backend()
         config = active_config()
+        _install(config)
     except Exception as exc:
         if os.environ.get(CONFIG_ENV):
             raise SystemExit(f"sgl_mmkv plugin failed in pid {os.getpid()}: {exc!r}") from exc

@@ -115,6 +115,9 @@ def test_backend_is_ours_only_when_enabled(runs):
     assert runs["stock"][1]["radix_cache_backend"] is None
     assert runs["off"][1]["radix_cache_backend"] is None
     assert runs["exact"][1]["radix_cache_backend"] == "sgl_mmkv"
+    assert "sgl_mmkv" not in runs["stock"][1]["internal_states"][0]
+    assert "sgl_mmkv" not in runs["off"][1]["internal_states"][0]
+    assert runs["exact"][1]["internal_states"][0]["sgl_mmkv"]["mode"] == "exact"
     assert ACTIVE_LOG_PREFIX not in runs["stock"][2]
     assert ACTIVE_LOG_PREFIX not in runs["off"][2]
     assert f"{ACTIVE_LOG_PREFIX}: class=MMKVRadixCache mode=exact" in runs["exact"][2]

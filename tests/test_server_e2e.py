@@ -152,3 +152,30 @@ def test_request_longer_than_the_context_is_a_4xx(server, client):
     assert 400 <= response.status_code < 500, response.text
     after = _chat(client, [user_message("Still serving?")], max_tokens=4)
     assert after.usage.completion_tokens == 4
+
+
+def _segment_counters(server) -> dict:
+    info = requests.get(server.base_url + "/get_server_info", timeout=10).json()
+    return info["internal_states"][0]["sgl_mmkv"]["segments"]
+
+
+def test_server_counts_image_segments_stock_matching_misses(server, client):
+    images = [make_image(41), make_image(42)]
+    before = _segment_counters(server)
+    _chat(client, [user_message(QUESTION, images)], max_tokens=2)  # new
+    other_prefix = [{"role": "system", "content": "Be brief."}, user_message(QUESTION, images)]
+    _chat(client, other_prefix, max_tokens=2)  # same images, new prefix: reusable
+    _chat(client, [user_message(QUESTION, images)], max_tokens=2)  # exact repeat: prefix
+    after = _segment_counters(server)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {
+        "requests": 3,
+        "image_items": 6,
+        "prefix_items": 2,
+        "reusable_items": 2,
+        "new_items": 2,
+        "image_tokens": 96,
+        "prefix_tokens": 32,
+        "reusable_tokens": 32,
+        "new_tokens": 32,
+    }

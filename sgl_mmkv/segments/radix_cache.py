@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_mmkv.config import MMKVConfig, active_config
+from sgl_mmkv.segments.index import SegmentIndex
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             )
         super().__init__(params)
         self.mmkv_config: MMKVConfig = config
+        self.segment_index = SegmentIndex()
         logger.info(
             "%s: class=%s mode=%s refresh_budget=%s pid=%d",
             ACTIVE_LOG_PREFIX,
@@ -46,6 +49,24 @@ class MMKVRadixCache(UnifiedRadixCache):
             config.mm_refresh_budget,
             os.getpid(),
         )
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Stock exact-prefix match, then the request's image items are classed
+        (``SegmentIndex``); the match itself is returned unchanged."""
+        result = super().match_prefix(params)
+        if params.req is not None:
+            counts = self.segment_index.observe(params.req, result.device_prefix_len)
+            if counts is not None:
+                logger.debug("sgl_mmkv: rid=%s image segments %s", params.req.rid, counts)
+        return result
+
+    def mmkv_stats(self) -> dict:
+        """What ``/get_server_info`` shows under ``internal_states[i]["sgl_mmkv"]``."""
+        return {
+            "mode": self.mmkv_config.mm_reuse,
+            "refresh_budget": self.mmkv_config.mm_refresh_budget,
+            "segments": self.segment_index.counters.as_dict(),
+        }
 
 
 def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:

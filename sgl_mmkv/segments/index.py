@@ -1,0 +1,90 @@
+"""Which image segments of a request stock prefix matching reuses, and which it misses.
+
+For every request the cache sees, each image item is classed once:
+
+- ``prefix``:   inside the exact-prefix match, so stock SGLang reuses its KV;
+- ``reusable``: outside the match but its content was seen in an earlier request,
+  i.e. KV that position-independent segment reuse could serve;
+- ``new``:      content not seen before.
+
+Content identity is SGLang's 64-bit item hash (sha256 of the processed feature,
+computed in the tokenizer process), never the 30-bit pad value. The index
+remembers the last ``capacity`` contents (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class SegmentCounters:
+    """Server-wide counts since start (items and their visual tokens)."""
+
+    requests: int = 0
+    image_items: int = 0
+    prefix_items: int = 0
+    reusable_items: int = 0
+    new_items: int = 0
+    image_tokens: int = 0
+    prefix_tokens: int = 0
+    reusable_tokens: int = 0
+    new_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _items(req: Any) -> list[Any]:
+    mm_inputs = getattr(req, "multimodal_inputs", None)
+    return list(getattr(mm_inputs, "mm_items", None) or [])
+
+
+class SegmentIndex:
+    """Classifies the image items of each request against its prefix match."""
+
+    def __init__(self, capacity: int = 4096, max_tracked_requests: int = 65536) -> None:
+        self.capacity = capacity
+        self.counters = SegmentCounters()
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._observed_rids: OrderedDict[str, None] = OrderedDict()
+        self._max_rids = max_tracked_requests
+
+    def observe(self, req: Any, matched_len: int) -> dict[str, int] | None:
+        """Class the request's image items once (its first match); None if already seen
+        or text-only. ``matched_len`` is the exact-prefix match length in tokens."""
+        rid = getattr(req, "rid", None)
+        items = _items(req)
+        if rid is None or not items or rid in self._observed_rids:
+            return None
+        self._remember(self._observed_rids, rid, self._max_rids)
+        counts = {"prefix": 0, "reusable": 0, "new": 0}
+        c = self.counters
+        c.requests += 1
+        for item in items:
+            offsets = item.offsets or []
+            tokens = sum(end - start + 1 for start, end in offsets)
+            last = max((end for _, end in offsets), default=-1)
+            if last < matched_len:
+                kind = "prefix"
+            elif item.hash is not None and item.hash in self._seen:
+                kind = "reusable"
+            else:
+                kind = "new"
+            counts[kind] += 1
+            c.image_items += 1
+            c.image_tokens += tokens
+            setattr(c, f"{kind}_items", getattr(c, f"{kind}_items") + 1)
+            setattr(c, f"{kind}_tokens", getattr(c, f"{kind}_tokens") + tokens)
+            if item.hash is not None:
+                self._remember(self._seen, item.hash, self.capacity)
+        return counts
+
+    @staticmethod
+    def _remember(table: OrderedDict, key: Any, capacity: int) -> None:
+        table[key] = None
+        table.move_to_end(key)
+        while len(table) > capacity:
+            table.popitem(last=False)
