@@ -3,25 +3,27 @@ few tokens of the right image.
 
 Every image is 112 x 112 pixels (16 visual tokens of the tiny Qwen2-VL, one per
 28 x 28 cell): a plain background with one shape (circle, square or triangle) in
-one quadrant, so the answer lives in the 4 tokens of that quadrant. The shapes of
-one prompt have distinct colours; a prompt holds 1 to 8 labelled images
-("Image 1: <image>") and one question that names a shape by its colour:
+one quadrant, so the shape lives in the 4 tokens of that quadrant. Within one
+prompt the backgrounds are distinct and so are the shape colours; a prompt holds
+1 to 8 labelled images ("Image 1: <image>") and one question:
 
-- ``kind``  (one specific image):          "What shape is the red one?"     -> "circle"
-- ``where`` (fine detail inside an image): "Where is the red shape?"        -> "top left"
-- ``same``  (comparison across images):    "Are the red and blue shapes the same kind?" -> "yes"
+- ``colour`` (one specific image): "What colour is the shape on the navy background?"
+  -> "red"
+- ``which`` (comparison across images): "Which background has the red shape?" -> "navy"
+- ``where`` (fine detail inside an image): "Where is the red shape?" -> "top left"
 
 Answers are short and scored by exact match. Same (split, index) -> same example.
-Questions address an image by content, not by its label: label binding ("image
-3") needs far more training than a CPU budget allows a model this small, while
-content addressing still needs the right tokens of the right image.
+Questions address an image by its content, not by its label. Two earlier designs
+did not train on 2 CPU cores in the time available (tiny model, 16 x 16 batch):
+binding "image 3" to the third image stayed at chance after 1,300 steps, and
+shape-kind / same-kind questions reached 45 % (chance 36 %) after 1,600 steps.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
@@ -37,10 +39,19 @@ COLOURS: tuple[tuple[str, tuple[int, int, int]], ...] = (
     ("cyan", (30, 200, 210)),
 )
 MAX_IMAGES = 8
-BACKGROUNDS: tuple[tuple[int, int, int], ...] = ((250, 250, 250), (40, 40, 40), (150, 150, 150))
+BACKGROUNDS: tuple[tuple[str, tuple[int, int, int]], ...] = (
+    ("white", (250, 250, 250)),
+    ("black", (20, 20, 20)),
+    ("grey", (140, 140, 140)),
+    ("brown", (120, 70, 30)),
+    ("navy", (20, 30, 100)),
+    ("olive", (110, 110, 20)),
+    ("teal", (20, 110, 110)),
+    ("maroon", (110, 20, 40)),
+)
 KINDS = ("circle", "square", "triangle")
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
-QUESTION_TYPES = ("kind", "where", "same")
+QUESTION_TYPES = ("colour", "which", "where")
 SPLIT_SEEDS = {"train": 1_000_003, "validation": 2_000_003, "test": 3_000_017}
 SYSTEM_PROMPT = "You answer questions about the images in few words."
 
@@ -56,7 +67,7 @@ class ShapeImage:
     jitter: tuple[int, int, int]
 
     def render(self) -> Image.Image:
-        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[self.background])
+        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[self.background][1])
         draw = ImageDraw.Draw(image)
         half = IMAGE_SIZE // 2
         col, row = QUADRANTS.index(self.quadrant) % 2, QUADRANTS.index(self.quadrant) // 2
@@ -105,16 +116,6 @@ class Example:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _random_image(rng: random.Random, colour: str | None = None) -> ShapeImage:
-    return ShapeImage(
-        colour=colour or rng.choice(COLOURS)[0],
-        kind=rng.choice(KINDS),
-        quadrant=rng.choice(QUADRANTS),
-        background=rng.randrange(len(BACKGROUNDS)),
-        jitter=(rng.randint(-4, 4), rng.randint(-4, 4), rng.randint(-6, 6)),
-    )
-
-
 def make_example(
     split: str, index: int, num_images: int | None = None, qtype: str | None = None
 ) -> Example:
@@ -125,26 +126,28 @@ def make_example(
     n = num_images if num_images is not None else rng.randint(1, MAX_IMAGES)
     if not 1 <= n <= MAX_IMAGES:
         raise ValueError(f"num_images must be in [1, {MAX_IMAGES}], got {n}")
-    qtype = qtype or rng.choice(QUESTION_TYPES if n > 1 else QUESTION_TYPES[:2])
-    if qtype == "same" and n < 2:
-        raise ValueError("a 'same' question needs at least 2 images")
+    qtype = qtype or rng.choice(QUESTION_TYPES)
     colours = rng.sample([c for c, _ in COLOURS], n)
-    images = tuple(_random_image(rng, c) for c in colours)
+    backgrounds = rng.sample(range(len(BACKGROUNDS)), n)
+    images = tuple(
+        ShapeImage(
+            colour=colour,
+            kind=rng.choice(KINDS),
+            quadrant=rng.choice(QUADRANTS),
+            background=background,
+            jitter=(rng.randint(-4, 4), rng.randint(-4, 4), rng.randint(-6, 6)),
+        )
+        for colour, background in zip(colours, backgrounds, strict=True)
+    )
     target = rng.randrange(n)
     shape = images[target]
-    if qtype == "kind":
-        question, answer = f"What shape is the {shape.colour} one?", shape.kind
+    background = BACKGROUNDS[shape.background][0]
+    if qtype == "colour":
+        question, answer = f"What colour is the shape on the {background} background?", shape.colour
+    elif qtype == "which":
+        question, answer = f"Which background has the {shape.colour} shape?", background
     elif qtype == "where":
         question, answer = f"Where is the {shape.colour} shape?", shape.quadrant
-    elif qtype == "same":
-        other = rng.choice([i for i in range(n) if i != target])
-        if rng.random() < 0.5:  # balance yes / no
-            images = tuple(
-                replace(im, kind=shape.kind) if i == other else im for i, im in enumerate(images)
-            )
-        same = images[other].kind == shape.kind
-        question = f"Are the {shape.colour} and {images[other].colour} shapes the same kind?"
-        answer = "yes" if same else "no"
     else:
         raise ValueError(f"unknown question type {qtype!r}")
     return Example(split, index, images, question, answer, qtype, target)

@@ -47,7 +47,7 @@ _WORDS = (
     "one two three four five six seven eight nine ten zero cat dog car tree house "
     "sky sun moon water road person man woman child small large big tiny bright dark "
     "purple orange pink cyan shape shapes image images has have where kind few words "
-    "Image What Which Where answer questions"
+    "Image What Which Where answer questions background grey brown navy olive teal maroon"
 ).split()
 
 
