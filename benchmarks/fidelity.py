@@ -70,12 +70,12 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4 * len(scenarios), 3.4), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios, strict=True):
         rows = [s for s in summaries if s.scenario == scenario]
-        for mode in dict.fromkeys(s.mode for s in rows):
+        for i, mode in enumerate(dict.fromkeys(s.mode for s in rows)):
             ys = [s.relative_accuracy for s in rows if s.mode == mode]
             if len(ys) == len(budgets) and len(budgets) > 1:
-                ax.plot(budgets, ys, marker="o", label=mode)
+                ax.plot(budgets, ys, marker="o", color=f"C{i}", label=mode)
             else:
-                ax.axhline(ys[0], linestyle=":", label=f"{mode} (no budget)")
+                ax.axhline(ys[0], linestyle=":", color=f"C{i}", label=f"{mode} (no budget)")
         ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
         ax.set_title(scenario)
         ax.set_xlabel("refresh budget")
