@@ -70,19 +70,21 @@ def render_training_text(processor, example: Example, rng: random.Random):
 
 
 def collate(processor, examples: list[Example], rng: random.Random) -> dict:
-    prompts, fulls, images = [], [], []
+    """A padded batch whose labels are the answer tokens (and the closing
+    ``<|im_end|>\n``) only. The byte-level pre-tokenizer splits at the newline that
+    ends the prompt, so the answer's tokens are exactly the row's last ones."""
+    fulls, images, answer_lens = [], [], []
     for example in examples:
         prompt, full, ims = render_training_text(processor, example, rng)
-        prompts.append(prompt)
         fulls.append(full)
         images.extend(ims)
+        answer_lens.append(len(processor.tokenizer(full[len(prompt) :])["input_ids"]))
     batch = processor(text=fulls, images=images, return_tensors="pt", padding=True)
-    prompt_ids = processor(text=prompts, images=images, return_tensors="pt", padding=True)
-    prompt_lens = prompt_ids["attention_mask"].sum(dim=1)
-    labels = batch["input_ids"].clone()
-    labels[batch["attention_mask"] == 0] = -100
-    for row, length in enumerate(prompt_lens.tolist()):
-        labels[row, :length] = -100
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    labels = torch.full_like(batch["input_ids"], -100)
+    for row, (length, answer_len) in enumerate(zip(lengths, answer_lens, strict=True)):
+        start = length - answer_len  # right padding: the row's tokens are [0, length)
+        labels[row, start:length] = batch["input_ids"][row, start:length]
     batch["labels"] = labels
     return batch
 
@@ -113,6 +115,7 @@ def train(
     seed: int,
     log_every: int = 50,
     init_from: Path | None = None,
+    num_validation: int = 128,
 ) -> dict:
     """Train from random weights, or continue from the checkpoint ``init_from``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
@@ -130,11 +133,11 @@ def train(
         model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)
     staging = save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
     processor = AutoProcessor.from_pretrained(staging)
-    validation = [make_example("validation", i) for i in range(128)]
+    validation = [make_example("validation", i) for i in range(num_validation)]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=steps, pct_start=0.05
+        optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.3, max(0.05, 2.5 / steps))
     )
     model.train()
     started = time.monotonic()

@@ -1,0 +1,51 @@
+"""The training script: answer-only labels, a real (short) run, continuing a run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from sgl_mmkv.testing.fidelity_task import make_example
+from sgl_mmkv.testing.train_fidelity_model import collate, train
+
+
+def test_labels_are_exactly_the_answer_tokens(tmp_path):
+    from transformers import AutoProcessor
+
+    from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
+    from sgl_mmkv.testing.train_fidelity_model import FIDELITY_SPEC
+
+    model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, 0)
+    processor = AutoProcessor.from_pretrained(
+        save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, tmp_path / "m")
+    )
+    examples = [make_example("train", i) for i in range(6)]
+    batch = collate(processor, examples, random.Random(0))
+    for row, example in enumerate(examples):
+        answer = batch["input_ids"][row][batch["labels"][row] != -100]
+        assert processor.tokenizer.decode(answer) == example.answer + "<|im_end|>\n"
+
+
+def test_short_run_then_continue(tmp_path):
+    first = train(
+        tmp_path / "a", steps=3, batch_size=2, lr=1e-3, seed=0, log_every=1, num_validation=4
+    )
+    assert first["total_steps"] == 3 and len(first["phases"]) == 1
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in first["phases"][0]["history"])
+    second = train(
+        tmp_path / "b",
+        steps=3,
+        batch_size=2,
+        lr=1e-3,
+        seed=1,
+        log_every=1,
+        init_from=tmp_path / "a",
+        num_validation=4,
+    )
+    assert second["total_steps"] == 6 and len(second["phases"]) == 2
+    written = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert written["total_steps"] == 6
+    assert [p["init_from"] for p in written["phases"]] == [None, str(tmp_path / "a")]
+    assert (tmp_path / "b" / "model.safetensors").exists()
