@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from sgl_mmkv.testing.fidelity_task import (
+    MAX_IMAGES,
     SYSTEM_PROMPT,
     Example,
     chat_messages,
@@ -116,8 +117,13 @@ def train(
     log_every: int = 50,
     init_from: Path | None = None,
     num_validation: int = 128,
+    curriculum_steps: int = 0,
 ) -> dict:
-    """Train from random weights, or continue from the checkpoint ``init_from``."""
+    """Train from random weights, or continue from the checkpoint ``init_from``.
+
+    With ``curriculum_steps`` > 0 the image count is capped at
+    ``1 + step // curriculum_steps`` (up to 8), so retrieval is learned on short
+    prompts first."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -143,7 +149,11 @@ def train(
     started = time.monotonic()
     history = []
     for step in range(1, steps + 1):
-        examples = [make_example("train", rng.randrange(10**9)) for _ in range(batch_size)]
+        cap = MAX_IMAGES if curriculum_steps <= 0 else min(MAX_IMAGES, 1 + step // curriculum_steps)
+        examples = [
+            make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap))
+            for _ in range(batch_size)
+        ]
         loss = model(**collate(processor, examples, rng)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -168,6 +178,7 @@ def train(
         "batch_size": batch_size,
         "lr": lr,
         "seed": seed,
+        "curriculum_steps": curriculum_steps,
         "train_seconds": round(time.monotonic() - started),
         "validation_teacher_forced_accuracy": history[-1].get("val_acc"),
         "history": history,
@@ -194,10 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--init-from", type=Path, help="continue from this checkpoint")
+    parser.add_argument("--curriculum-steps", type=int, default=0, help="steps per extra image")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     record = train(
-        args.out, args.steps, args.batch_size, args.lr, args.seed, args.log_every, args.init_from
+        args.out,
+        args.steps,
+        args.batch_size,
+        args.lr,
+        args.seed,
+        args.log_every,
+        args.init_from,
+        curriculum_steps=args.curriculum_steps,
     )
     print(f"validation accuracy {record['validation_teacher_forced_accuracy']}")
     return 0
