@@ -35,19 +35,22 @@ def real_sgl_kernel_installed() -> bool:
     return SHIM_DIR not in Path(spec.origin).resolve().parents
 
 
-def enable_cpu_shim() -> None:
-    """Make sgl_mmkv's ``sgl_kernel`` shim importable here and in spawned children."""
-    path = str(SHIM_DIR)
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if path not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
+def cpu_environment(base: dict[str, str]) -> dict[str, str]:
+    """``base`` plus what SGLang needs on the CPU: :data:`CPU_ENV_DEFAULTS` where not
+    set, and the ``sgl_kernel`` shim first on ``PYTHONPATH`` when no real one exists."""
+    env = dict(base)
+    for key, value in CPU_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    if not real_sgl_kernel_installed():
+        parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if str(SHIM_DIR) not in parts:
+            env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *parts])
+    return env
 
 
 def prepare_cpu_process() -> None:
-    """Environment for SGLang on the CPU; values the user already set are kept."""
-    for key, value in CPU_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    if not real_sgl_kernel_installed():
-        enable_cpu_shim()
+    """Prepare this process and its children for SGLang on the CPU; values the user
+    already set are kept."""
+    os.environ.update(cpu_environment(dict(os.environ)))
+    if not real_sgl_kernel_installed() and str(SHIM_DIR) not in sys.path:
+        sys.path.insert(0, str(SHIM_DIR))

@@ -87,8 +87,6 @@ class ScenarioSummary:
     mean_prompt_tokens: float
     mean_cached_tokens: float
     mean_cached_image_tokens: float
-    reused_tokens: int | None = None
-    refreshed_tokens: int | None = None
     per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
 
 
@@ -191,7 +189,6 @@ def measure(
     layout: PromptLayout,
     examples: Iterable[Example],
     scenarios: Iterable[str] = SCENARIOS,
-    on_record: Callable[[ProbeRecord], None] | None = None,
 ) -> list[ProbeRecord]:
     """Run every scenario on every example; see the module docstring."""
     records = []
@@ -235,8 +232,6 @@ def measure(
                 probe_latency_s=probe.latency_s,
             )
             records.append(record)
-            if on_record:
-                on_record(record)
     return records
 
 

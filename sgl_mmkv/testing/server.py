@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from sgl_mmkv.cpu_support import CPU_ENV_DEFAULTS, SHIM_DIR, real_sgl_kernel_installed
+from sgl_mmkv.cpu_support import cpu_environment
 
 # Small-pool CPU settings shared by both sides of every comparison.
 CPU_SERVER_ARGS: tuple[str, ...] = (
@@ -47,14 +47,8 @@ def stock_cpu_env() -> dict[str, str]:
     The same one ``sgl_mmkv.launch_server`` prepares for itself, so that both
     sides of a comparison run with identical process settings.
     """
-    env = dict(os.environ)
+    env = cpu_environment(dict(os.environ))
     env.pop("TRITON_INTERPRET", None)  # a test-process setting, not a server one
-    for key, value in CPU_ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    if not real_sgl_kernel_installed():
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p
-        )
     return env
 
 
