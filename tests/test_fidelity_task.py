@@ -50,7 +50,7 @@ def test_answer_follows_from_the_named_image(qtype):
         assert len(set(backgrounds)) == len(backgrounds)  # and a background one image
         target = e.images[e.target]
         background = BACKGROUNDS[target.background][0]
-        expected = {"colour": target.colour, "which": background, "where": target.quadrant}
+        expected = {"colour": target.colour, "which": background, "kind": target.kind}
         assert e.answer == expected[qtype]
         assert (background if qtype == "colour" else target.colour) in e.question
 

@@ -5,27 +5,53 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 
 from sgl_mmkv.testing.fidelity_task import make_example
 from sgl_mmkv.testing.train_fidelity_model import collate, train
 
 
-def test_labels_are_exactly_the_answer_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
     from transformers import AutoProcessor
 
     from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
     from sgl_mmkv.testing.train_fidelity_model import FIDELITY_SPEC
 
     model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, 0)
-    processor = AutoProcessor.from_pretrained(
-        save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, tmp_path / "m")
+    out = tmp_path_factory.mktemp("fidelity") / "m"
+    return AutoProcessor.from_pretrained(
+        save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
     )
+
+
+def test_labels_are_exactly_the_answer_tokens(processor):
     examples = [make_example("train", i) for i in range(6)]
     batch = collate(processor, examples, random.Random(0))
     for row, example in enumerate(examples):
         answer = batch["input_ids"][row][batch["labels"][row] != -100]
         assert processor.tokenizer.decode(answer) == example.answer + "<|im_end|>\n"
+
+
+def test_follow_up_labels_are_the_answers_of_every_turn(processor):
+    examples = [make_example("train", i) for i in range(6)]
+    batch = collate(processor, examples, random.Random(0), follow_ups=3)
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row, example in enumerate(examples):
+        labelled = batch["labels"][row] != -100
+        answer_ids = batch["input_ids"][row][labelled]
+        text = processor.tokenizer.decode(answer_ids)
+        answers = text.split("<|im_end|>\n")
+        assert len(answers) == 5 and answers[-1] == ""  # 4 answers, each closed
+        assert answers[0] == example.answer
+        assert int((answer_ids == end).sum()) == 4
+        # every labelled run starts right after "<|im_start|>assistant\n"
+        starts = labelled & ~torch.roll(labelled, 1)
+        assert int(starts.sum()) == 4
+        for pos in starts.nonzero().flatten().tolist():
+            prefix = processor.tokenizer.decode(batch["input_ids"][row][pos - 8 : pos])
+            assert prefix.endswith("<|im_start|>assistant\n")
 
 
 def test_short_run_then_continue(tmp_path):

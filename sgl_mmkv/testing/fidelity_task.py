@@ -10,13 +10,17 @@ prompt the backgrounds are distinct and so are the shape colours; a prompt holds
 - ``colour`` (one specific image): "What colour is the shape on the navy background?"
   -> "red"
 - ``which`` (comparison across images): "Which background has the red shape?" -> "navy"
-- ``where`` (fine detail inside an image): "Where is the red shape?" -> "top left"
+- ``kind`` (fine detail inside an image): "What shape is the red one?" -> "circle"
+  (the shape's outline lives in the few tokens of its quadrant)
 
 Answers are short and scored by exact match. Same (split, index) -> same example.
 Questions address an image by its content, not by its label. Two earlier designs
 did not train on 2 CPU cores in the time available (tiny model, 16 x 16 batch):
 binding "image 3" to the third image stayed at chance after 1,300 steps, and
 shape-kind / same-kind questions reached 45 % (chance 36 %) after 1,600 steps.
+"Where is the red shape?" stayed at chance even with one image: the vision tower
+and the language model see positions only through rotary phases, so a token's value
+does not say which quadrant it covers.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ BACKGROUNDS: tuple[tuple[str, tuple[int, int, int]], ...] = (
 )
 KINDS = ("circle", "square", "triangle")
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
-QUESTION_TYPES = ("colour", "which", "where")
+QUESTION_TYPES = ("colour", "which", "kind")
 SPLIT_SEEDS = {"train": 1_000_003, "validation": 2_000_003, "test": 3_000_017}
 SYSTEM_PROMPT = "You answer questions about the images in few words."
 
@@ -140,17 +144,21 @@ def make_example(
         for colour, background in zip(colours, backgrounds, strict=True)
     )
     target = rng.randrange(n)
+    question, answer = ask(images, target, qtype)
+    return Example(split, index, images, question, answer, qtype, target)
+
+
+def ask(images: tuple[ShapeImage, ...], target: int, qtype: str) -> tuple[str, str]:
+    """(question, answer) of type ``qtype`` about ``images[target]``."""
     shape = images[target]
     background = BACKGROUNDS[shape.background][0]
     if qtype == "colour":
-        question, answer = f"What colour is the shape on the {background} background?", shape.colour
-    elif qtype == "which":
-        question, answer = f"Which background has the {shape.colour} shape?", background
-    elif qtype == "where":
-        question, answer = f"Where is the {shape.colour} shape?", shape.quadrant
-    else:
-        raise ValueError(f"unknown question type {qtype!r}")
-    return Example(split, index, images, question, answer, qtype, target)
+        return f"What colour is the shape on the {background} background?", shape.colour
+    if qtype == "which":
+        return f"Which background has the {shape.colour} shape?", background
+    if qtype == "kind":
+        return f"What shape is the {shape.colour} one?", shape.kind
+    raise ValueError(f"unknown question type {qtype!r}; choose one of {', '.join(QUESTION_TYPES)}")
 
 
 def make_split(split: str, count: int, start: int = 0, **kwargs) -> list[Example]:

@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 
 from sgl_mmkv.testing.fidelity_task import (
+    IMAGE_SIZE,
     MAX_IMAGES,
+    QUESTION_TYPES,
     SYSTEM_PROMPT,
     Example,
+    ask,
     chat_messages,
     make_example,
 )
@@ -52,8 +55,15 @@ def _local_image_part(_image) -> dict:
     return {"type": "image"}
 
 
-def render_training_text(processor, example: Example, rng: random.Random):
-    """(prompt text, full text with answer, images in prompt order) for one example."""
+def render_training_text(
+    processor, example: Example, rng: random.Random, follow_ups: int = 0
+) -> tuple[str, list[tuple[int, int]], list]:
+    """(full text, answer spans, images in prompt order) for one example.
+
+    The conversation is the example's question and answer, then ``follow_ups`` more
+    user questions about the same images, each with its answer: one image encoding
+    buys several retrieval targets. Each span is ``(start, end)`` in characters of
+    the full text: an answer plus its closing ``<|im_end|>\n``."""
     order = list(range(len(example.images)))
     if rng.random() < 0.5:
         rng.shuffle(order)
@@ -64,28 +74,56 @@ def render_training_text(processor, example: Example, rng: random.Random):
         preamble=rng.choice(PREAMBLES),
         order=order,
     )
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-    full = prompt + example.answer + "<|im_end|>\n"
+    answers = [example.answer]
+    for _ in range(follow_ups):
+        question, answer = ask(
+            example.images, rng.randrange(len(example.images)), rng.choice(QUESTION_TYPES)
+        )
+        messages += [
+            {"role": "assistant", "content": answers[-1]},
+            {"role": "user", "content": question},
+        ]
+        answers.append(answer)
+    spans, full = [], ""
+    for turn, answer in enumerate(answers):
+        prompt = processor.apply_chat_template(messages[: 2 + 2 * turn], add_generation_prompt=True)
+        if not prompt.startswith(full):
+            raise AssertionError("chat template is not prefix-stable across turns")
+        full = prompt + answer + "<|im_end|>\n"
+        spans.append((len(prompt), len(full)))
     images = [example.images[i].render() for i in order]
-    return prompt, full, images
+    return full, spans, images
 
 
-def collate(processor, examples: list[Example], rng: random.Random) -> dict:
-    """A padded batch whose labels are the answer tokens (and the closing
+def collate(processor, examples: list[Example], rng: random.Random, follow_ups: int = 0) -> dict:
+    """A padded batch whose labels are the answer tokens (each with its closing
     ``<|im_end|>\n``) only. The byte-level pre-tokenizer splits at the newline that
-    ends the prompt, so the answer's tokens are exactly the row's last ones."""
-    fulls, images, answer_lens = [], [], []
+    ends each prompt, so a prefix of the text tokenizes to a prefix of the tokens;
+    every image pad expands to ``tokens_per_image`` tokens before the answers."""
+    tokenizer = processor.tokenizer
+    tokens_per_image = (IMAGE_SIZE // 28) ** 2
+    fulls, images, row_spans = [], [], []
     for example in examples:
-        prompt, full, ims = render_training_text(processor, example, rng)
+        full, spans, ims = render_training_text(processor, example, rng, follow_ups)
         fulls.append(full)
         images.extend(ims)
-        answer_lens.append(len(processor.tokenizer(full[len(prompt) :])["input_ids"]))
+        shift = len(ims) * (tokens_per_image - 1)
+        row_spans.append(
+            [
+                (
+                    len(tokenizer(full[:start])["input_ids"]) + shift,
+                    len(tokenizer(full[:end])["input_ids"]) + shift,
+                )
+                for start, end in spans
+            ]
+        )
     batch = processor(text=fulls, images=images, return_tensors="pt", padding=True)
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
     labels = torch.full_like(batch["input_ids"], -100)
-    for row, (length, answer_len) in enumerate(zip(lengths, answer_lens, strict=True)):
-        start = length - answer_len  # right padding: the row's tokens are [0, length)
-        labels[row, start:length] = batch["input_ids"][row, start:length]
+    for row, spans in enumerate(row_spans):
+        for start, end in spans:
+            labels[row, start:end] = batch["input_ids"][row, start:end]
+        if spans[-1][1] != int(batch["attention_mask"][row].sum()):
+            raise AssertionError("answer spans do not end at the row's last token")
     batch["labels"] = labels
     return batch
 
@@ -118,12 +156,14 @@ def train(
     init_from: Path | None = None,
     num_validation: int = 128,
     curriculum_steps: int = 0,
+    follow_ups: int = 0,
 ) -> dict:
     """Train from random weights, or continue from the checkpoint ``init_from``.
 
     With ``curriculum_steps`` > 0 the image count is capped at
     ``1 + step // curriculum_steps`` (up to 8), so retrieval is learned on short
-    prompts first."""
+    prompts first. ``follow_ups`` extra questions per training row (validation
+    asks one)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -154,7 +194,7 @@ def train(
             make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap))
             for _ in range(batch_size)
         ]
-        loss = model(**collate(processor, examples, rng)).loss
+        loss = model(**collate(processor, examples, rng, follow_ups)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -179,6 +219,7 @@ def train(
         "lr": lr,
         "seed": seed,
         "curriculum_steps": curriculum_steps,
+        "follow_ups": follow_ups,
         "train_seconds": round(time.monotonic() - started),
         "validation_teacher_forced_accuracy": history[-1].get("val_acc"),
         "history": history,
@@ -206,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--init-from", type=Path, help="continue from this checkpoint")
     parser.add_argument("--curriculum-steps", type=int, default=0, help="steps per extra image")
+    parser.add_argument(
+        "--follow-ups", type=int, default=3, help="extra questions per training row"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     record = train(
@@ -217,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         args.log_every,
         args.init_from,
         curriculum_steps=args.curriculum_steps,
+        follow_ups=args.follow_ups,
     )
     print(f"validation accuracy {record['validation_teacher_forced_accuracy']}")
     return 0
