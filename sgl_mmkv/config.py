@@ -22,7 +22,8 @@ REUSE_MODES: dict[str, str] = {
     "exact": "sgl_mmkv's radix cache, exact-prefix reuse only (same hits as stock)",
     **{name: (cls.__doc__ or name).split("\n")[0] for name, cls in SCORERS.items()},
 }
-IMPLEMENTED_REUSE_MODES: tuple[str, ...] = ("off", "exact")
+IMPLEMENTED_REUSE_MODES: tuple[str, ...] = tuple(REUSE_MODES)
+CACHE_ONLY_MODES: tuple[str, ...] = ("off", "exact")
 
 DEFAULT_REFRESH_BUDGET = 0.1
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
@@ -38,7 +39,8 @@ class MMKVConfig:
 
     Attributes:
         mm_reuse: one of :data:`REUSE_MODES`.
-        mm_refresh_budget: fraction of reused image tokens recomputed, in (0, 1].
+        mm_refresh_budget: fraction of reused image tokens recomputed, in [0, 1]
+            (0 recomputes only the text, as ``reuse``).
     """
 
     mm_reuse: str = "off"
@@ -55,13 +57,22 @@ class MMKVConfig:
                 f"sgl_mmkv; implemented: {', '.join(IMPLEMENTED_REUSE_MODES)}"
             )
         budget = self.mm_refresh_budget
-        if not isinstance(budget, (int, float)) or not (0.0 < budget <= 1.0):
-            raise ConfigError(f"--mm-refresh-budget must be in (0, 1], got {budget!r}")
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not (0.0 <= budget <= 1.0)
+        ):
+            raise ConfigError(f"--mm-refresh-budget must be in [0, 1], got {budget!r}")
 
     @property
     def uses_mmkv_cache(self) -> bool:
         """Whether the scheduler runs sgl_mmkv's radix cache backend."""
         return self.mm_reuse != "off"
+
+    @property
+    def uses_refresh(self) -> bool:
+        """Whether image segments are reused under any prefix (a scorer mode)."""
+        return self.mm_reuse not in CACHE_ONLY_MODES
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -3,7 +3,7 @@
 Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
 
     --mm-reuse {off,exact,conduit,...}   how image KV is reused (default: off)
-    --mm-refresh-budget R                fraction of reused image tokens recomputed, (0, 1]
+    --mm-refresh-budget R                fraction of reused image tokens recomputed, [0, 1]
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_REFRESH_BUDGET,
         metavar="R",
-        help="fraction of reused image tokens recomputed, in (0, 1] (default %(default)s)",
+        help="fraction of reused image tokens recomputed, in [0, 1] (default %(default)s)",
     )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
@@ -96,6 +96,17 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
             )
         if backend is None:
             sglang_argv += ["--radix-cache-backend", RADIX_CACHE_BACKEND_NAME]
+    if config.uses_refresh:
+        page_size = _flag_value(sglang_argv, "--page-size")
+        if page_size not in (None, "1"):
+            raise ConfigError(
+                f"--mm-reuse {config.mm_reuse} copies image KV token by token and needs "
+                f"--page-size 1, got --page-size {page_size}"
+            )
+        # The refresh executor fills the segment store from the forward; with the
+        # overlap scheduler that would race the scheduler's allocations.
+        if not _has_flag(sglang_argv, "--disable-overlap-schedule"):
+            sglang_argv.append("--disable-overlap-schedule")
     return config, sglang_argv
 
 

@@ -37,6 +37,11 @@ def _install(config) -> None:
         from sgl_mmkv.patches import scheduler_internal_state
 
         scheduler_internal_state.register()
+    if config is not None and config.uses_refresh:
+        from sgl_mmkv.patches import eager_runner_execute_extend, mm_embed_routine
+
+        eager_runner_execute_extend.register()
+        mm_embed_routine.register()
 
 
 def load() -> None:

@@ -61,7 +61,7 @@ def test_plugin_allow_list_must_include_us(monkeypatch):
     "flags, message",
     [
         (["--mm-reuse", "bogus"], "--mm-reuse 'bogus' is unknown; choose one of off, exact"),
-        (["--mm-refresh-budget", "2"], "--mm-refresh-budget must be in (0, 1], got 2.0"),
+        (["--mm-refresh-budget", "2"], "--mm-refresh-budget must be in [0, 1], got 2.0"),
         (["--mm-refresh-budget", "abc"], "invalid float value: 'abc'"),
     ],
 )

@@ -3,7 +3,12 @@
 Built by SGLang's cache registry (``--radix-cache-backend sgl_mmkv``) inside the
 scheduler process. In ``exact`` mode it is the stock cache: the exact-prefix
 match, insertion, locking and eviction all run SGLang's own code, so hits and
-outputs equal stock SGLang's. Segment matching hooks in here in later modes.
+outputs equal stock SGLang's.
+
+In a scorer mode (``conduit``, ``full``, ...) it also owns the segment store and
+the refresh executor of this process. The store's slots count as evictable
+(``evictable_size``) and are freed by ``evict_for_alloc`` once the tree alone
+cannot cover an allocation; ``reset`` (``flush_cache``) drops them with the pool.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+
 from sgl_mmkv.config import MMKVConfig, active_config
 from sgl_mmkv.segments.index import SegmentIndex
+from sgl_mmkv.segments.store import SegmentStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +46,13 @@ class MMKVRadixCache(UnifiedRadixCache):
                 "--radix-cache-backend sgl_mmkv needs sgl_mmkv's config: start the server "
                 "with `python -m sgl_mmkv.launch_server --mm-reuse exact ...`"
             )
+        self.segment_store: SegmentStore | None = None  # read by reset() in super().__init__
+        self.refresh_executor = None
         super().__init__(params)
         self.mmkv_config: MMKVConfig = config
         self.segment_index = SegmentIndex()
+        if config.uses_refresh:
+            self._start_refresh(config)
         logger.info(
             "%s: class=%s mode=%s refresh_budget=%s pid=%d",
             ACTIVE_LOG_PREFIX,
@@ -60,13 +72,70 @@ class MMKVRadixCache(UnifiedRadixCache):
                 logger.debug("sgl_mmkv: rid=%s image segments %s", params.req.rid, counts)
         return result
 
+    def _start_refresh(self, config: MMKVConfig) -> None:
+        from sgl_mmkv.refresh.executor import RefreshExecutor
+        from sgl_mmkv.refresh.runtime import set_active_executor
+        from sgl_mmkv.refresh.scorers import make_scorer
+
+        if self.page_size != 1:
+            raise RuntimeError(
+                f"--mm-reuse {config.mm_reuse} needs --page-size 1 (got {self.page_size})"
+            )
+        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+        self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool)
+        self.refresh_executor = RefreshExecutor(
+            self.segment_store, make_scorer(config.mm_reuse), config.mm_refresh_budget
+        )
+        set_active_executor(self.refresh_executor)
+
+    # -- the store in SGLang's accounting ------------------------------------------------
+
+    def evictable_size(self) -> int:
+        store = self.segment_store.num_tokens if self.segment_store is not None else 0
+        return super().evictable_size() + store
+
+    def full_evictable_size(self) -> int:
+        store = self.segment_store.num_tokens if self.segment_store is not None else 0
+        return super().full_evictable_size() + store
+
+    def evict_for_alloc(self, params: EvictParams, **kwargs) -> EvictResult:
+        """Stock eviction of tree leaves, then LRU segments for what is still short."""
+        if self.segment_store is None:
+            return super().evict_for_alloc(params, **kwargs)
+        target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
+        result = super().evict_for_alloc(params, **kwargs)
+        shortfall = target - self.token_to_kv_pool_allocator.available_size()
+        if shortfall > 0:
+            result.num_tokens_evicted += self.segment_store.evict_lru(shortfall)
+        return result
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.segment_store is None:
+            return super().evict(params)
+        target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
+        result = super().evict(params)
+        shortfall = target - self.token_to_kv_pool_allocator.available_size()
+        if shortfall > 0:
+            result.num_tokens_evicted += self.segment_store.evict_lru(shortfall)
+        return result
+
+    def reset(self) -> None:
+        if self.segment_store is not None:
+            # flush_cache clears the allocator right after resetting the cache.
+            self.segment_store.clear(free_slots=False)
+        super().reset()
+
     def mmkv_stats(self) -> dict:
         """What ``/get_server_info`` shows under ``internal_states[i]["sgl_mmkv"]``."""
-        return {
+        stats = {
             "mode": self.mmkv_config.mm_reuse,
             "refresh_budget": self.mmkv_config.mm_refresh_budget,
             "segments": self.segment_index.counters.as_dict(),
         }
+        if self.segment_store is not None:
+            stats["store"] = self.segment_store.stats()
+            stats["refresh"] = self.refresh_executor.counters.as_dict()
+        return stats
 
 
 def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:

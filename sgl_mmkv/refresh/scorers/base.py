@@ -66,6 +66,11 @@ class RefreshScorer(ABC):
     """Scores visual tokens; higher means more worth recomputing."""
 
     name: ClassVar[str]
+    # What the executor must compute before ``select``: the scoring pass's queries
+    # and the row's KV (``needs_attention``), or the row recomputed in full
+    # (``needs_fresh_kv``). Position-only methods need neither.
+    needs_attention: ClassVar[bool] = True
+    needs_fresh_kv: ClassVar[bool] = False
 
     @abstractmethod
     def score(self, inputs: ScoringInputs) -> torch.Tensor:

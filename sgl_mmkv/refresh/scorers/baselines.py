@@ -31,6 +31,7 @@ class FirstTokensScorer(RefreshScorer):
     """EPIC / MPIC style: the first ``ceil(r * n_j)`` tokens of every image."""
 
     name: ClassVar[str] = "first"
+    needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         offsets = torch.cat([torch.arange(e - s) for s, e in inputs.image_spans])
@@ -46,6 +47,7 @@ class RandomScorer(RefreshScorer):
     """A seeded random subset: the floor every real score must beat."""
 
     name: ClassVar[str] = "random"
+    needs_attention: ClassVar[bool] = False
     seed: int = 0
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
@@ -57,19 +59,25 @@ class RandomScorer(RefreshScorer):
 class CacheBlendScorer(RefreshScorer):
     """CacheBlend (arXiv 2405.16444), first-layer selection: the tokens whose fresh
     K/V deviate most from the reused ones, ``||dK||_2 + ||dV||_2`` at the first
-    recomputed layer. Needs ``fresh_keys`` / ``fresh_values`` in the inputs. The
-    paper's layer-by-layer shrinking of the set happens in the refresh executor."""
+    layer where they can differ (``layer``, default 1: layer 0's K/V depend on the
+    token alone). Needs ``fresh_keys`` / ``fresh_values``. One set for every layer:
+    the paper's layer-by-layer shrinking of the set is not implemented."""
 
     name: ClassVar[str] = "cacheblend"
-    recompute_ratio: float = 0.15
+    needs_attention: ClassVar[bool] = False
+    needs_fresh_kv: ClassVar[bool] = True
+    layer: int = 1
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         if inputs.fresh_keys is None or inputs.fresh_values is None:
-            raise ValueError("cacheblend needs the first layer's fresh K/V in ScoringInputs")
+            raise ValueError("cacheblend needs the fresh K/V of the row in ScoringInputs")
+        layer = min(self.layer, len(inputs.keys) - 1)
         positions = inputs.visual_positions
-        dk = (inputs.fresh_keys[0] - inputs.keys[0])[positions].float().flatten(1).norm(dim=-1)
-        dv = (inputs.fresh_values[0] - inputs.values[0])[positions].float().flatten(1).norm(dim=-1)
-        return dk + dv
+        dk = inputs.fresh_keys[layer] - inputs.keys[layer]
+        dv = inputs.fresh_values[layer] - inputs.values[layer]
+        return dk[positions].float().flatten(1).norm(dim=-1) + dv[positions].float().flatten(
+            1
+        ).norm(dim=-1)
 
 
 @dataclass
@@ -77,6 +85,7 @@ class FullRecomputeScorer(RefreshScorer):
     """``full``: every visual token is recomputed, whatever the budget."""
 
     name: ClassVar[str] = "full"
+    needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         return torch.ones(inputs.num_visual)
@@ -90,6 +99,7 @@ class NoRefreshScorer(RefreshScorer):
     """``reuse``: budget 0, only the text is recomputed over the re-positioned KV."""
 
     name: ClassVar[str] = "reuse"
+    needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         return torch.zeros(inputs.num_visual)

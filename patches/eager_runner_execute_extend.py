@@ -1,0 +1,32 @@
+"""Patch of ``sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend``
+(SGLang 0.5.23).
+
+AROUND hook: when this scheduler process runs sgl_mmkv's refresh executor (a
+``--mm-reuse`` scorer mode), every eager extend forward goes through
+:meth:`RefreshExecutor.execute_extend`, which calls the stock method on the whole
+batch when nothing is reused and on active-token sub-batches when something is.
+Without an executor the stock method runs untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGET = "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend"
+
+
+def execute_extend_with_reuse(original, runner: Any, forward_batch: Any, *args: Any, **kwargs):
+    from sgl_mmkv.refresh.runtime import active_executor
+
+    executor = active_executor()
+    if executor is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    return executor.execute_extend(
+        lambda batch: original(runner, batch, *args, **kwargs), runner.model_runner, forward_batch
+    )
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, execute_extend_with_reuse, HookType.AROUND)

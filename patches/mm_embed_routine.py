@@ -1,0 +1,69 @@
+"""Patch of ``sglang.srt.managers.mm_utils.general_mm_embed_routine`` (SGLang 0.5.23).
+
+AROUND hook: during a refresh pass (``sgl_mmkv.refresh.embedding_pass``) the
+batch holds only its active tokens, but multimodal embedding must see the whole
+extend to place image features. So the full batch's embeddings are built once
+by SGLang's own ``prepare_mm_inputs`` (vision encoder and its cache included),
+and the language model gets the active rows. Outside a refresh pass the stock
+routine runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGET = "sglang.srt.managers.mm_utils.general_mm_embed_routine"
+
+
+def embed_active_rows(
+    original,
+    input_ids: Any,
+    forward_batch: Any,
+    language_model: Any,
+    multimodal_model: Any = None,
+    data_embedding_funcs: Any = None,
+    placeholder_tokens: Any = None,
+    use_deepstack: Any = None,
+    feature_dtypes: Any = None,
+    **kwargs: Any,
+):
+    from sgl_mmkv.refresh.embedding_pass import current_embedding_pass
+
+    embeddings = current_embedding_pass()
+    if embeddings is None:
+        return original(
+            input_ids,
+            forward_batch,
+            language_model,
+            multimodal_model,
+            data_embedding_funcs,
+            placeholder_tokens,
+            use_deepstack if use_deepstack is not None else {},
+            feature_dtypes,
+            **kwargs,
+        )
+    from sglang.srt.managers.mm_utils import prepare_mm_inputs
+
+    if embeddings.embeds is None:
+        full = embeddings.full_batch
+        embeddings.embeds = prepare_mm_inputs(
+            full.input_ids,
+            full,
+            language_model,
+            dict(kwargs),
+            multimodal_model,
+            data_embedding_funcs,
+            placeholder_tokens,
+            use_deepstack if use_deepstack is not None else {},
+            feature_dtypes,
+        )
+    input_embeds = embeddings.embeds[embeddings.index]
+    return language_model(
+        input_ids=None, forward_batch=forward_batch, input_embeds=input_embeds, **kwargs
+    )
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, embed_active_rows, HookType.AROUND)

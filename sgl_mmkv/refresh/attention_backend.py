@@ -1,0 +1,95 @@
+"""The attention backend of refresh passes: queries at scattered row positions.
+
+A refresh pass runs the model's own layers on the *active* tokens of each request
+(text and the selected image tokens); the other image tokens keep the rotated
+segment KV already written into the request's slots. So a query of request ``i``
+sits at an arbitrary row position and attends causally by position over the whole
+row ``req_to_token[i, :seq_len]``. Ordinary requests in the same batch are the
+special case ``positions = arange(prefix_len, seq_len)``.
+
+The backend is installed for one pass through SGLang's ``forward_context``; the
+stock backend stays the server's backend for everything else. With a
+:class:`QueryCapture` it also keeps the queries a scorer needs, per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sgl_mmkv.kernels.scattered_attention import scattered_attention
+
+
+@dataclass
+class QueryCapture:
+    """Queries to keep: for request ``i``, the rows ``rows[i]`` of its active tokens.
+
+    After the pass ``queries[i][layer]`` is ``(len(rows[i]), H_q, d)``, RoPE applied.
+    """
+
+    rows: dict[int, torch.Tensor]
+    queries: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class RefreshAttentionBackend(AttentionBackend):
+    """Extend attention over each request's whole row, causal by row position.
+
+    Args:
+        req_to_token_pool, token_to_kv_pool: SGLang's pools.
+        query_positions: per request of the pass, ``(n_i,)`` int64 row positions of
+            its active tokens, in the order they appear in the batch.
+        capture: optional queries to keep for scoring.
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool,
+        query_positions: list[torch.Tensor],
+        capture: QueryCapture | None = None,
+    ) -> None:
+        super().__init__()
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.query_positions = query_positions
+        self.capture = capture
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Nothing to plan: every request's row is read through ``req_to_token``."""
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kw):
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+            )
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        out_ = out.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        seq_lens = forward_batch.seq_lens_cpu
+        if seq_lens is None:
+            seq_lens = forward_batch.seq_lens.cpu()
+        start = 0
+        for i, positions in enumerate(self.query_positions):
+            n = positions.numel()
+            if n == 0:
+                continue
+            seq_len = int(seq_lens[i])
+            row = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+            q_i = q_[start : start + n]
+            out_[start : start + n] = scattered_attention(
+                q_i, k_buffer, v_buffer, row, positions.to(q.device), layer.scaling
+            )
+            if self.capture is not None and i in self.capture.rows:
+                per_layer = self.capture.queries.setdefault(i, {})
+                per_layer[layer.layer_id] = q_i[self.capture.rows[i]].detach().clone()
+            start += n
+        return out
+
+    def forward_decode(self, *args, **kwargs):
+        raise RuntimeError("RefreshAttentionBackend serves extend passes only")

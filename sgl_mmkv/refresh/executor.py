@@ -1,0 +1,303 @@
+"""The refresh executor: an extend forward with image spans served from the segment store.
+
+For an extend batch with at least one :class:`ReuseSpan` (``plan.py``):
+
+1. every reused span's KV is copied from its segment into the request's own slots,
+   K rotated by the position delta (``gather_rotate_kv``), all layers;
+2. scoring pass (scorers that read attention): the model's layers run on each
+   request's fresh tokens (text, new images) over the rotated stale KV, with the
+   queries of the query span (fresh tokens after the last reused image) captured;
+   CacheBlend's pass instead recomputes the whole row to measure KV deviation;
+3. selection: the scorer's global top-k under the refresh budget;
+4. refresh pass: fresh + selected tokens run through every layer, attending by
+   position over the whole row. Its logits are the batch's output.
+
+Stock SGLang code runs every pass (``EagerRunner._execute_extend`` on a sub-batch,
+the model's own modules); only the attention backend is ours for the pass.
+After the forward, fully computed images not yet stored fill the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
+from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
+from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
+from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
+from sgl_mmkv.refresh.scorers import RefreshScorer, ScoringInputs
+from sgl_mmkv.refresh.sub_batch import active_sub_batch
+from sgl_mmkv.segments.store import SegmentStore
+
+logger = logging.getLogger(__name__)
+
+META_INFO_KEY = "sgl_mmkv"
+
+
+@dataclass(slots=True)
+class RefreshCounters:
+    """Server-wide token counts of refresh forwards."""
+
+    refresh_forwards: int = 0
+    reused_tokens: int = 0
+    refreshed_tokens: int = 0
+    recomputed_tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__}
+
+
+def rope_inv_freq_of(model) -> torch.Tensor:
+    """``(rotary_dim // 2,)`` float32 inverse frequencies of the decoder's RoPE."""
+    for module in model.modules():
+        rotary = getattr(module, "rotary_emb", None)
+        if rotary is not None and hasattr(rotary, "_compute_inv_freq"):
+            if not getattr(rotary, "is_neox_style", True):
+                raise NotImplementedError("sgl_mmkv re-positions neox-style RoPE only")
+            return rotary._compute_inv_freq(rotary.base).float()
+    raise NotImplementedError(f"{type(model).__name__}: no rotary embedding found to re-position")
+
+
+class RefreshExecutor:
+    """Runs extend forwards of the scheduler process with segment reuse.
+
+    Args:
+        store: the segment store of this server.
+        scorer: the ``--mm-reuse`` method.
+        budget: ``--mm-refresh-budget``.
+    """
+
+    def __init__(self, store: SegmentStore, scorer: RefreshScorer, budget: float) -> None:
+        self.store = store
+        self.scorer = scorer
+        self.budget = budget
+        self.counters = RefreshCounters()
+        self._inv_freq: torch.Tensor | None = None
+
+    def execute_extend(self, run_extend: Callable, model_runner, forward_batch):
+        """``run_extend(forward_batch)`` is the stock eager extend; returns its output."""
+        plans = plan_batch(self.store, forward_batch)
+        self._drop_unsupported(forward_batch, plans)
+        if not any(p.spans for p in plans):
+            out = run_extend(forward_batch)
+            self._fill(model_runner, forward_batch, plans)
+            self._report(forward_batch, plans, None, out, 0.0)
+            return out
+        started = time.perf_counter()
+        self._copy_segments(model_runner, forward_batch, plans)
+        fresh = [~p.reused_mask() for p in plans]
+        embeddings = EmbeddingPass(full_batch=forward_batch)
+        selected = self._select(run_extend, model_runner, forward_batch, plans, fresh, embeddings)
+        active = []
+        for plan, mask, chosen in zip(plans, fresh, selected, strict=True):
+            mask = mask.clone()
+            mask[chosen - plan.prefix_len] = True
+            mask[-1] = True
+            active.append(mask)
+        out = self._run_pass(run_extend, model_runner, forward_batch, active, embeddings)
+        self._fill(model_runner, forward_batch, plans)
+        self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
+        return out
+
+    # -- passes ---------------------------------------------------------------------------
+
+    def _run_pass(self, run_extend, model_runner, forward_batch, active, embeddings, capture=None):
+        sub, index = active_sub_batch(forward_batch, active)
+        embeddings.index = index
+        positions = [
+            plan_row.nonzero().flatten() + int(prefix)
+            for plan_row, prefix in zip(active, forward_batch.extend_prefix_lens_cpu, strict=True)
+        ]
+        backend = RefreshAttentionBackend(
+            model_runner.req_to_token_pool, model_runner.token_to_kv_pool, positions, capture
+        )
+        with (
+            forward_context(ForwardContext(attn_backend=backend), forward_batch=sub),
+            embedding_pass(embeddings),
+        ):
+            return run_extend(sub)
+
+    def _select(self, run_extend, model_runner, forward_batch, plans, fresh, embeddings):
+        """Per request, ``(k,)`` sorted row positions of the image tokens to refresh."""
+        scorer = self.scorer
+        if scorer.needs_fresh_kv:
+            return self._select_by_deviation(
+                run_extend, model_runner, forward_batch, plans, embeddings
+            )
+        captures = None
+        if scorer.needs_attention:
+            rows = {}
+            for plan, mask in zip(plans, fresh, strict=True):
+                if plan.spans:
+                    rows[plan.index] = self._query_rows(plan, mask)
+            captures = QueryCapture(rows)
+            active = []
+            for mask in fresh:
+                mask = mask.clone()
+                mask[-1] = True
+                active.append(mask)
+            self._run_pass(run_extend, model_runner, forward_batch, active, embeddings, captures)
+        selected = []
+        for plan in plans:
+            if not plan.spans:
+                selected.append(torch.empty(0, dtype=torch.long))
+                continue
+            inputs = self._scoring_inputs(model_runner, forward_batch, plan, captures)
+            selected.append(scorer.select(inputs, self.budget).cpu())
+        return selected
+
+    def _select_by_deviation(self, run_extend, model_runner, forward_batch, plans, embeddings):
+        """CacheBlend's signal: the whole extend recomputed once (as costly as a full
+        prefill; the paper's layer-by-layer shrinking is not done), its KV compared
+        with the stale KV, then the stale KV restored for the refresh pass."""
+        stale = {p.index: self._row_kv(model_runner, forward_batch, p.index) for p in plans}
+        whole = [torch.ones(p.seq_len - p.prefix_len, dtype=torch.bool) for p in plans]
+        self._run_pass(run_extend, model_runner, forward_batch, whole, embeddings)
+        selected = []
+        for plan in plans:
+            if not plan.spans:
+                selected.append(torch.empty(0, dtype=torch.long))
+                continue
+            keys, values = stale[plan.index]
+            fresh_k, fresh_v = self._row_kv(model_runner, forward_batch, plan.index)
+            inputs = ScoringInputs(
+                queries=(),
+                keys=keys,
+                values=values,
+                query_positions=torch.empty(0, dtype=torch.long),
+                image_spans=tuple((s.start, s.end) for s in plan.spans),
+                fresh_keys=fresh_k,
+                fresh_values=fresh_v,
+            )
+            selected.append(self.scorer.select(inputs, self.budget).cpu())
+        self._copy_segments(model_runner, forward_batch, plans)
+        return selected
+
+    @staticmethod
+    def _query_rows(plan: RequestPlan, fresh_mask: torch.Tensor) -> torch.Tensor:
+        """Rows (within the request's active tokens of the scoring pass) of the query
+        span: fresh tokens after the last reused image, else all fresh tokens."""
+        mask = fresh_mask.clone()
+        mask[-1] = True
+        positions = mask.nonzero().flatten() + plan.prefix_len
+        last_image_end = max(s.end for s in plan.spans)
+        tail = (positions >= last_image_end).nonzero().flatten()
+        return tail if tail.numel() else torch.arange(positions.numel())
+
+    def _row_kv(self, model_runner, forward_batch, index: int):
+        """Per layer ``(seq_len, H_kv, d)`` K and V of request ``index``'s row."""
+        pool = model_runner.token_to_kv_pool
+        seq_len = int(forward_batch.seq_lens[index])
+        row = model_runner.req_to_token_pool.req_to_token[
+            forward_batch.req_pool_indices[index], :seq_len
+        ]
+        layers = range(pool.layer_num)
+        keys = tuple(pool.get_key_buffer(layer)[row].clone() for layer in layers)
+        values = tuple(pool.get_value_buffer(layer)[row].clone() for layer in layers)
+        return keys, values
+
+    def _scoring_inputs(self, model_runner, forward_batch, plan, captures) -> ScoringInputs:
+        spans = tuple((s.start, s.end) for s in plan.spans)
+        if captures is None:
+            empty = torch.empty(0, dtype=torch.long)
+            return ScoringInputs((), (), (), empty, spans)
+        keys, values = self._row_kv(model_runner, forward_batch, plan.index)
+        per_layer = captures.queries[plan.index]
+        fresh = ~plan.reused_mask()
+        fresh[-1] = True
+        positions = fresh.nonzero().flatten() + plan.prefix_len
+        query_positions = positions[captures.rows[plan.index]]
+        queries = tuple(per_layer[layer] for layer in sorted(per_layer))
+        return ScoringInputs(queries, keys, values, query_positions, spans)
+
+    # -- KV movement ---------------------------------------------------------------------
+
+    def _copy_segments(self, model_runner, forward_batch, plans) -> None:
+        """Rotated copies of every reused span into the request's slots, all layers."""
+        if self._inv_freq is None:
+            self._inv_freq = rope_inv_freq_of(model_runner.model)
+        src, dst, delta = [], [], []
+        req_to_token = model_runner.req_to_token_pool.req_to_token
+        for plan in plans:
+            pool_index = forward_batch.req_pool_indices[plan.index]
+            for span in plan.spans:
+                src.append(span.segment.slots)
+                dst.append(req_to_token[pool_index, span.start : span.end])
+                delta.append(torch.full((span.end - span.start,), span.delta, dtype=torch.long))
+        if not src:
+            return
+        pool = model_runner.token_to_kv_pool
+        device = pool.get_key_buffer(0).device
+        src_loc = torch.cat(src).to(device)
+        dst_loc = torch.cat(dst).to(device, torch.long)
+        deltas = torch.cat(delta).to(device)
+        inv_freq = self._inv_freq.to(device)
+        for layer in range(pool.layer_num):
+            gather_rotate_kv(
+                pool.get_key_buffer(layer),
+                pool.get_value_buffer(layer),
+                src_loc,
+                dst_loc,
+                deltas,
+                inv_freq,
+            )
+
+    def _fill(self, model_runner, forward_batch, plans) -> None:
+        req_to_token = model_runner.req_to_token_pool.req_to_token
+        for plan in plans:
+            pool_index = forward_batch.req_pool_indices[plan.index]
+            for fill in plan.fills:
+                slots = req_to_token[pool_index, fill.start : fill.end].to(torch.long)
+                self.store.fill(fill.key, slots, fill.positions)
+
+    @staticmethod
+    def _drop_unsupported(forward_batch, plans) -> None:
+        """Requests asking input logprobs of more than their last prompt token are
+        computed in full: a restricted pass has no hidden states for those rows."""
+        if not forward_batch.return_logprob or forward_batch.extend_logprob_start_lens_cpu is None:
+            return
+        for plan in plans:
+            i = plan.index
+            ext = forward_batch.extend_seq_lens_cpu[i]
+            if ext - forward_batch.extend_logprob_start_lens_cpu[i] > 1:
+                plan.spans.clear()
+
+    # -- observability --------------------------------------------------------------------
+
+    def _report(self, forward_batch, plans, selected, out, seconds: float) -> None:
+        """Counters, a log line per reusing request, and per-request meta info."""
+        c = self.counters
+        if selected is not None:
+            c.refresh_forwards += 1
+            c.seconds += seconds
+        infos = []
+        for i, plan in enumerate(plans):
+            reused = plan.reused_tokens
+            refreshed = 0 if selected is None else int(selected[i].numel())
+            recomputed = (plan.seq_len - plan.prefix_len) - reused + refreshed
+            c.reused_tokens += reused
+            c.refreshed_tokens += refreshed
+            c.recomputed_tokens += recomputed
+            info = {
+                "method": self.scorer.name,
+                "reused_segments": len(plan.spans),
+                "reused_tokens": reused,
+                "refreshed_tokens": refreshed,
+                "recomputed_tokens": recomputed,
+            }
+            infos.append(info)
+            if plan.spans:
+                rid = forward_batch.rids[plan.index] if forward_batch.rids else plan.index
+                logger.info("sgl_mmkv: rid=%s %s", rid, info)
+        logits_output = getattr(out, "logits_output", out)
+        if hasattr(logits_output, "customized_info"):
+            extra = dict(logits_output.customized_info or {})
+            extra[META_INFO_KEY] = infos
+            logits_output.customized_info = extra

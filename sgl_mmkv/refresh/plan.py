@@ -1,0 +1,122 @@
+"""Reuse plans: which image spans of an extend batch are served from the segment store.
+
+For request ``i`` of an extend batch the uncached part of its row is
+``[prefix_i, prefix_i + extend_i)``. An image item whose whole span lies inside it
+and whose content key is in the store becomes a :class:`ReuseSpan`, provided its
+new positions are the stored ones shifted by one constant ``delta`` (true for an
+image moved as a whole, for 1-D RoPE and M-RoPE alike). Everything else in the
+extend is computed as stock would. Items computed fresh by the end of this
+extend and not yet stored are :class:`FillCandidate` s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_mmkv.segments.store import Segment, SegmentKey, SegmentStore
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseSpan:
+    """Row positions ``[start, end)`` filled from ``segment``, shifted by ``delta``."""
+
+    start: int
+    end: int
+    segment: Segment
+    delta: int
+
+
+@dataclass(frozen=True, slots=True)
+class FillCandidate:
+    """An image computed in full in this row: ``[start, end)`` at ``positions`` ``(P, n)``."""
+
+    key: SegmentKey
+    start: int
+    end: int
+    positions: torch.Tensor
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    """What the refresh executor does for request ``index`` of the batch."""
+
+    index: int
+    prefix_len: int
+    seq_len: int
+    spans: list[ReuseSpan] = field(default_factory=list)
+    fills: list[FillCandidate] = field(default_factory=list)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.spans)
+
+    def reused_mask(self) -> torch.Tensor:
+        """``(extend_len,)`` bool: True where the extend token comes from a segment."""
+        mask = torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
+        for s in self.spans:
+            mask[s.start - self.prefix_len : s.end - self.prefix_len] = True
+        return mask
+
+
+def item_span(item) -> tuple[int, int] | None:
+    """``[start, end)`` of an item with one contiguous span, else None."""
+    offsets = list(item.offsets or [])
+    if len(offsets) != 1 or item.hash is None:
+        return None
+    start, end = offsets[0]
+    return int(start), int(end) + 1
+
+
+def row_positions(mm_inputs, start: int, end: int) -> torch.Tensor:
+    """``(P, end - start)`` rotary positions of row positions ``[start, end)``."""
+    mrope = getattr(mm_inputs, "mrope_positions", None)
+    if mrope is not None:
+        return mrope[:, start:end].to("cpu", torch.long)
+    return torch.arange(start, end, dtype=torch.long)[None]
+
+
+def constant_delta(new: torch.Tensor, old: torch.Tensor) -> int | None:
+    """The one shift ``new - old`` if it is the same for every entry, else None."""
+    if new.shape != old.shape:
+        return None
+    diff = new - old
+    first = int(diff.flatten()[0])
+    return first if bool((diff == first).all()) else None
+
+
+def plan_request(
+    store: SegmentStore, index: int, mm_inputs, prefix_len: int, extend_len: int
+) -> RequestPlan:
+    """The reuse plan of one request of an extend batch."""
+    seq_len = prefix_len + extend_len
+    plan = RequestPlan(index, prefix_len, seq_len)
+    for item in getattr(mm_inputs, "mm_items", None) or []:
+        span = item_span(item)
+        if span is None or span[1] > seq_len:
+            continue
+        start, end = span
+        key: SegmentKey = (int(item.hash), end - start)
+        positions = row_positions(mm_inputs, start, end)
+        if start >= prefix_len:
+            segment = store.lookup(key)
+            if segment is not None and segment.alive:
+                delta = constant_delta(positions, segment.positions)
+                if delta is not None:
+                    plan.spans.append(ReuseSpan(start, end, segment, delta))
+                    continue
+        if key not in store:
+            plan.fills.append(FillCandidate(key, start, end, positions))
+    return plan
+
+
+def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
+    """One plan per request of an extend ``forward_batch`` (mm_inputs may be None)."""
+    mm_list = forward_batch.mm_inputs or [None] * forward_batch.batch_size
+    prefix = forward_batch.extend_prefix_lens_cpu
+    extend = forward_batch.extend_seq_lens_cpu
+    return [
+        plan_request(store, i, mm, int(prefix[i]), int(extend[i]))
+        for i, mm in enumerate(mm_list)
+    ]
