@@ -6,7 +6,11 @@ attend causally *by position* over the whole row, whose KV lives in pool slots
 ``row_slots`` (fresh KV for refreshed rows, re-positioned stale KV for the rest).
 
 ``scattered_attention`` runs the Triton kernel on CUDA or under
-``TRITON_INTERPRET=1`` and ``scattered_attention_reference`` otherwise.
+``TRITON_INTERPRET=1`` and ``scattered_attention_sdpa`` otherwise: the queries
+placed at their row positions in a full-length query block and one causal
+``scaled_dot_product_attention``, as SGLang's ``torch_native`` backend does for an
+ordinary extend. With every row active it is that backend's computation exactly,
+so a full refresh matches stock prefill bit for bit on the CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +52,29 @@ def scattered_attention_reference(
     return out.to(q.dtype)
 
 
+def scattered_attention_sdpa(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    row_slots: torch.Tensor,
+    query_positions: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`scattered_attention_reference`, through causal SDPA
+    over the whole row (rows without a query are computed and dropped)."""
+    n_q, h_q, d = q.shape
+    n = row_slots.numel()
+    h_kv = k_buffer.shape[1]
+    placed = q.new_zeros((h_q, n, d))
+    placed[:, query_positions] = q.transpose(0, 1)
+    k = k_buffer[row_slots].transpose(0, 1).to(q.dtype)
+    v = v_buffer[row_slots].transpose(0, 1).to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        placed[None], k[None], v[None], is_causal=True, scale=sm_scale, enable_gqa=h_q != h_kv
+    )[0]
+    return out[:, query_positions].transpose(0, 1)
+
+
 def scattered_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -62,9 +89,7 @@ def scattered_attention(
     if int(query_positions.max()) >= row_slots.numel() or int(query_positions.min()) < 0:
         raise ValueError("a query position lies outside the row")
     if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return scattered_attention_reference(
-            q, k_buffer, v_buffer, row_slots, query_positions, sm_scale
-        )
+        return scattered_attention_sdpa(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)
     from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
 
     return scattered_attention_triton(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)

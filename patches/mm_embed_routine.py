@@ -45,18 +45,21 @@ def embed_active_rows(
     from sglang.srt.managers.mm_utils import prepare_mm_inputs
 
     if embeddings.embeds is None:
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
         full = embeddings.full_batch
-        embeddings.embeds = prepare_mm_inputs(
-            full.input_ids,
-            full,
-            language_model,
-            dict(kwargs),
-            multimodal_model,
-            data_embedding_funcs,
-            placeholder_tokens,
-            use_deepstack if use_deepstack is not None else {},
-            feature_dtypes,
-        )
+        with forward_context(ForwardContext(attn_backend=embeddings.stock_backend)):
+            embeddings.embeds = prepare_mm_inputs(
+                full.input_ids,
+                full,
+                language_model,
+                dict(kwargs),
+                multimodal_model,
+                data_embedding_funcs,
+                placeholder_tokens,
+                use_deepstack if use_deepstack is not None else {},
+                feature_dtypes,
+            )
     input_embeds = embeddings.embeds[embeddings.index]
     return language_model(
         input_ids=None, forward_batch=forward_batch, input_embeds=input_embeds, **kwargs

@@ -7,7 +7,11 @@ import os
 import pytest
 import torch
 
-from sgl_mmkv.kernels.scattered_attention import scattered_attention, scattered_attention_reference
+from sgl_mmkv.kernels.scattered_attention import (
+    scattered_attention,
+    scattered_attention_reference,
+    scattered_attention_sdpa,
+)
 from sgl_mmkv.refresh.scorers.attention import attention_mass
 
 TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,6 +54,19 @@ def test_attention_mass_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
     got = attention_mass_triton(q, k, slots, pos).cpu()
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
     assert got.sum().item() == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
+def test_sdpa_path_matches_reference(n_q, h_q, h_kv, d, n, dtype):
+    q, k, v, slots, _ = _case(n_q, h_q, h_kv, d, n, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    pos = torch.randperm(n, generator=g)[: min(n_q, n)].to(DEVICE)  # one query per row position
+    q = q[: pos.numel()]
+    want = scattered_attention_reference(q, k, v, slots, pos)
+    got = scattered_attention_sdpa(q, k, v, slots, pos)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def test_reference_equals_full_causal_attention_when_queries_are_the_whole_row():

@@ -23,6 +23,7 @@ class EmbeddingPass:
     that the current pass computes; ``embeds``: ``(n_extend, hidden)`` once built."""
 
     full_batch: object
+    stock_backend: object = None
     index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     embeds: torch.Tensor | None = None
 

@@ -93,7 +93,9 @@ class RefreshExecutor:
         started = time.perf_counter()
         self._copy_segments(model_runner, forward_batch, plans)
         fresh = [~p.reused_mask() for p in plans]
-        embeddings = EmbeddingPass(full_batch=forward_batch)
+        embeddings = EmbeddingPass(
+            full_batch=forward_batch, stock_backend=model_runner.attn_backend
+        )
         selected = self._select(run_extend, model_runner, forward_batch, plans, fresh, embeddings)
         active = []
         for plan, mask, chosen in zip(plans, fresh, selected, strict=True):

@@ -117,6 +117,5 @@ def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
     prefix = forward_batch.extend_prefix_lens_cpu
     extend = forward_batch.extend_seq_lens_cpu
     return [
-        plan_request(store, i, mm, int(prefix[i]), int(extend[i]))
-        for i, mm in enumerate(mm_list)
+        plan_request(store, i, mm, int(prefix[i]), int(extend[i])) for i, mm in enumerate(mm_list)
     ]

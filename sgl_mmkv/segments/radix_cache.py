@@ -135,7 +135,25 @@ class MMKVRadixCache(UnifiedRadixCache):
         if self.segment_store is not None:
             stats["store"] = self.segment_store.stats()
             stats["refresh"] = self.refresh_executor.counters.as_dict()
+            stats["pool"] = self.pool_ledger()
         return stats
+
+    def pool_ledger(self) -> dict[str, int | bool]:
+        """Where every KV slot is: free, in the tree, in the segment store, or held
+        by running requests (``in_use``); ``free_unique`` is False after a double free."""
+        allocator = self.token_to_kv_pool_allocator
+        free = allocator.get_all_free_pages() if hasattr(allocator, "get_all_free_pages") else None
+        available = allocator.available_size()
+        tree = super().evictable_size() + super().protected_size()
+        store = self.segment_store.num_tokens if self.segment_store is not None else 0
+        return {
+            "size": int(allocator.size),
+            "available": int(available),
+            "tree": int(tree),
+            "store": int(store),
+            "in_use": int(allocator.size - available - tree - store),
+            "free_unique": bool(free is None or free.unique().numel() == free.numel()),
+        }
 
 
 def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:

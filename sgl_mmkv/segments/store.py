@@ -57,6 +57,7 @@ class StoreCounters:
     fill_skipped: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
+    flushed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -139,6 +140,8 @@ class SegmentStore:
         while freed < num_tokens and self._segments:
             _, segment = self._segments.popitem(last=False)
             freed += self._release(segment, free_slots=True)
+            self.counters.evictions += 1
+            self.counters.evicted_tokens += segment.num_tokens
         return freed
 
     def clear(self, free_slots: bool) -> None:
@@ -147,14 +150,13 @@ class SegmentStore:
         while self._segments:
             _, segment = self._segments.popitem(last=False)
             self._release(segment, free_slots=free_slots)
+            self.counters.flushed += 1
 
     def _release(self, segment: Segment, free_slots: bool) -> int:
         segment.alive = False
         if free_slots:
             self.allocator.free(segment.slots)
         self._num_tokens -= segment.num_tokens
-        self.counters.evictions += 1
-        self.counters.evicted_tokens += segment.num_tokens
         return segment.num_tokens
 
     def stats(self) -> dict:

@@ -83,6 +83,10 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 240.0) -> ServerProcess:
+        """Start the server and wait for ``/health``; a running server is kept
+        (so ``with ServerProcess(...).start()`` does not start a second one)."""
+        if self.process is not None and self.process.poll() is None:
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(

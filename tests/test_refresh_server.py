@@ -1,0 +1,224 @@
+"""A real ``--mm-reuse conduit --mm-refresh-budget 1.0`` server on the tiny M-RoPE VLM.
+
+At budget 1.0 every reused image token is refreshed, so a request served from
+segments must equal its full prefill (the same server after a flush, whose cold
+path is SGLang's own extend). The pool is small so that segments get evicted
+while requests that copied them still decode; the slot ledger is checked after.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+import requests
+from transformers import AutoProcessor
+
+from sgl_mmkv.testing.images import data_url, make_image, user_message
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+
+TOKENS_PER_IMAGE = 16
+POOL_TOKENS = 1200
+
+
+def _server_args(*extra: str) -> list[str]:
+    args = list(CPU_SERVER_ARGS)
+    args[args.index("--max-total-tokens") + 1] = str(POOL_TOKENS)
+    return [*args, *extra]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vlm, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_conduit.log"
+    args = _server_args("--mm-reuse", "conduit", "--mm-refresh-budget", "1.0")
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _stats(server) -> dict:
+    info = requests.get(server.base_url + "/get_server_info", timeout=30).json()
+    return info["internal_states"][0]["sgl_mmkv"]
+
+
+def _flush(server) -> None:
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+
+
+def _chat(client, messages, max_tokens=8, **extra):
+    r = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body=extra or None,
+    )
+    first = r.choices[0].logprobs.content[0]
+    return r.choices[0].message.content, {t.token: t.logprob for t in first.top_logprobs}
+
+
+def _conversation(system: str, images: list, question: str = "Describe the images.") -> list:
+    return [{"role": "system", "content": system}, user_message(question, images)]
+
+
+def _assert_same(probe, cold, tol=2e-2):
+    text, logprobs = probe
+    cold_text, cold_logprobs = cold
+    assert text == cold_text
+    shared = set(logprobs) & set(cold_logprobs)
+    assert len(shared) >= 4
+    for token in shared:
+        assert abs(logprobs[token] - cold_logprobs[token]) < tol, token
+
+
+@pytest.mark.parametrize(
+    "order, num_images",
+    [("changed_prefix", 1), ("changed_prefix", 3), ("reordered", 3)],
+)
+def test_budget_one_reproduces_full_prefill(server, client, order, num_images):
+    images = [make_image(100 + i) for i in range(num_images)]
+    probe_images = images[::-1] if order == "reordered" else images
+    probe_messages = _conversation("Answer in one word.", probe_images)
+    _flush(server)
+    cold = _chat(client, probe_messages)
+    _flush(server)
+    _chat(client, _conversation("You are a helpful assistant.", images))
+    before = _stats(server)
+    probe = _chat(client, probe_messages)
+    after = _stats(server)
+
+    _assert_same(probe, cold)
+    reused = num_images * TOKENS_PER_IMAGE
+    assert after["store"]["hits"] - before["store"]["hits"] == num_images
+    assert after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"] == reused
+    assert after["refresh"]["refreshed_tokens"] - before["refresh"]["refreshed_tokens"] == reused
+
+
+def test_multi_turn_new_image_and_earlier_ones_again(server, client):
+    a, b, c = (make_image(200 + i) for i in range(3))
+    _flush(server)
+    turn1 = [user_message("Look at these.", [a, b])]
+    reply, _ = _chat(client, turn1)
+    # Turn 2 after the conversation's system prompt changed: the earlier images are
+    # segment hits, the new one is computed.
+    turn2 = [
+        {"role": "system", "content": "Now answer briefly."},
+        *turn1,
+        {"role": "assistant", "content": reply},
+        user_message("And with this one, which is brightest?", [c]),
+    ]
+    before = _stats(server)
+    probe = _chat(client, turn2)
+    after = _stats(server)
+    _flush(server)
+    cold = _chat(client, turn2)
+    _assert_same(probe, cold)
+    assert after["store"]["hits"] - before["store"]["hits"] == 2
+    assert after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"] == 32
+
+
+def test_meta_info_reports_reused_and_refreshed_tokens(server, tiny_vlm):
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    image = make_image(300)
+    _flush(server)
+
+    def generate(system: str) -> dict:
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+        ]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        body = {
+            "text": text,
+            "image_data": [data_url(image)],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        }
+        r = requests.post(server.base_url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    first = generate("One.")
+    second = generate("Two, a longer system prompt.")
+    assert first["sgl_mmkv"][0]["reused_tokens"] == 0
+    info = second["sgl_mmkv"][0]
+    assert info == {
+        "method": "conduit",
+        "reused_segments": 1,
+        "reused_tokens": TOKENS_PER_IMAGE,
+        "refreshed_tokens": TOKENS_PER_IMAGE,
+        "recomputed_tokens": second["prompt_tokens"] - second["cached_tokens"],
+    }
+
+
+def test_concurrent_requests_share_a_segment_next_to_text_requests(server, client):
+    shared = make_image(400)
+    prompts = [_conversation(f"System prompt number {i}.", [shared]) for i in range(6)]
+    texts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(3)]
+    cold = []
+    for messages in prompts + texts:
+        _flush(server)
+        cold.append(_chat(client, messages))
+    _flush(server)
+    _chat(client, _conversation("Warm-up.", [shared]))
+    before = _stats(server)
+    results: dict[int, tuple] = {}
+
+    def run(i, messages):
+        results[i] = _chat(client, messages)
+
+    threads = [threading.Thread(target=run, args=(i, m)) for i, m in enumerate(prompts + texts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    after = _stats(server)
+    assert len(results) == len(prompts) + len(texts)
+    for i, reference in enumerate(cold):
+        _assert_same(results[i], reference)
+    assert after["store"]["hits"] - before["store"]["hits"] == len(prompts)
+    ledger = after["pool"]
+    assert ledger["free_unique"]
+    assert ledger["in_use"] == 0
+
+
+def test_segment_evicted_while_its_copy_decodes(server, client):
+    _flush(server)
+    evictions_before = _stats(server)["store"]["evictions"]
+    image = make_image(500)
+    _chat(client, _conversation("First context.", [image]))
+    decoded: dict[str, str] = {}
+
+    def long_decode():
+        decoded["text"] = _chat(
+            client, _conversation("Second context.", [image]), max_tokens=160, ignore_eos=True
+        )[0]
+
+    thread = threading.Thread(target=long_decode)
+    thread.start()
+    # Enough new images to push the store past the pool while the copy decodes.
+    flood = 0
+    while thread.is_alive() or flood < 12:
+        new_images = [make_image(1000 + 8 * flood + j) for j in range(8)]
+        _chat(client, _conversation(f"Flood {flood}.", new_images), max_tokens=2)
+        flood += 1
+        if flood >= 40:
+            break
+    thread.join(timeout=300)
+    stats = _stats(server)
+    assert decoded["text"]
+    assert stats["store"]["evictions"] > evictions_before
+    ledger = stats["pool"]
+    assert ledger["free_unique"]
+    assert ledger["in_use"] == 0
+    assert ledger["available"] + ledger["tree"] + ledger["store"] == ledger["size"]
+    _flush(server)
+    ledger = _stats(server)["pool"]
+    assert ledger["available"] == ledger["size"]
+    assert ledger["store"] == 0

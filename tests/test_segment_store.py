@@ -1,0 +1,121 @@
+"""Segment store and reuse plans on a stand-in pool: ownership, LRU, plans, deltas."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_mmkv.refresh.plan import constant_delta, plan_request
+from sgl_mmkv.segments.store import SegmentStore
+
+
+class Allocator:
+    """SGLang's token allocator contract (page size 1), with a double-free check."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free_slots = list(range(1, size + 1))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int):
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return torch.tensor(out)
+
+    def free(self, slots: torch.Tensor) -> None:
+        for s in slots.tolist():
+            assert s not in self.free_slots, f"slot {s} freed twice"
+            self.free_slots.append(s)
+
+
+class Pool:
+    def __init__(self, size: int, layers: int = 2) -> None:
+        self.layer_num = layers
+        self.k = [torch.randn(size + 1, 2, 4) for _ in range(layers)]
+        self.v = [torch.randn(size + 1, 2, 4) for _ in range(layers)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+@pytest.fixture
+def store():
+    return SegmentStore(Allocator(64), Pool(64))
+
+
+def test_fill_copies_every_layer_into_slots_the_store_owns(store):
+    src = store.allocator.alloc(5)
+    assert store.fill((7, 5), src, torch.arange(5)[None])
+    segment = store.lookup((7, 5))
+    assert set(segment.slots.tolist()).isdisjoint(src.tolist())
+    for layer in range(2):
+        torch.testing.assert_close(
+            store.kv_pool.k[layer][segment.slots], store.kv_pool.k[layer][src]
+        )
+        torch.testing.assert_close(
+            store.kv_pool.v[layer][segment.slots], store.kv_pool.v[layer][src]
+        )
+    assert store.num_tokens == 5 and store.allocator.available_size() == 64 - 10
+    assert not store.fill((7, 5), src, torch.arange(5)[None])  # one entry per key
+
+
+def test_lru_eviction_frees_oldest_first_and_marks_dead(store):
+    for key in range(3):
+        store.fill((key, 4), store.allocator.alloc(4), torch.arange(4)[None])
+    first = store.lookup((0, 4))  # 0 becomes most recent; 1 is now the oldest
+    freed = store.evict_lru(5)
+    assert freed == 8
+    assert (1, 4) not in store and (2, 4) not in store and first.alive
+    assert store.counters.evictions == 2 and store.counters.evicted_tokens == 8
+    store.clear(free_slots=True)
+    assert not first.alive and store.num_tokens == 0
+    assert store.allocator.available_size() == 64 - 12  # the three request rows remain
+
+
+def test_fill_is_skipped_when_the_pool_is_full(store):
+    store.allocator.alloc(62)
+    assert not store.fill((1, 4), torch.tensor([1, 2, 3, 4]), torch.arange(4)[None])
+    assert store.counters.fill_skipped == 1 and store.num_tokens == 0
+
+
+def test_constant_delta_for_a_moved_mrope_image():
+    old = torch.tensor([[5, 5, 5, 5], [5, 5, 6, 6], [5, 6, 5, 6]])
+    assert constant_delta(old + 9, old) == 9
+    moved_rows = old.clone()
+    moved_rows[1] += 1
+    assert constant_delta(moved_rows, old) is None
+
+
+def _mm(items, mrope):
+    return SimpleNamespace(mm_items=items, mrope_positions=mrope)
+
+
+def _item(h, start, end):
+    return SimpleNamespace(hash=h, offsets=[(start, end)])
+
+
+def test_plan_reuses_stored_images_outside_the_prefix_and_fills_new_ones(store):
+    # Row: 0-2 text, 3-6 image A, 7 text, 8-11 image B, 12-13 text.
+    mrope = torch.arange(14).repeat(3, 1)
+    store.fill((11, 4), store.allocator.alloc(4), (mrope[:, 3:7] - 2))
+    plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope), 2, 12)
+    assert [(s.start, s.end, s.delta) for s in plan.spans] == [(3, 7, 2)]
+    assert [(f.key, f.start, f.end) for f in plan.fills] == [((22, 4), 8, 12)]
+    assert plan.reused_tokens == 4
+    assert plan.reused_mask().tolist() == [False] + [True] * 4 + [False] * 7
+
+
+def test_plan_leaves_prefix_and_partial_images_alone(store):
+    mrope = torch.arange(14).repeat(3, 1)
+    store.fill((11, 4), store.allocator.alloc(4), mrope[:, 3:7])
+    # Image A inside the exact-prefix match: stock reuse; image B past this chunk.
+    plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope), 8, 2)
+    assert plan.spans == [] and plan.fills == []
