@@ -23,6 +23,13 @@ def test_exact_selects_our_radix_cache_backend():
     assert argv == ["--model-path", "m", "--radix-cache-backend", "sgl_mmkv"]
 
 
+def test_refresh_modes_turn_the_overlap_scheduler_off():
+    config, argv = resolve_args(["--mm-reuse", "conduit", "--mm-refresh-budget", "0"])
+    assert config.uses_refresh and config.mm_refresh_budget == 0.0
+    assert "--disable-overlap-schedule" in argv
+    assert "--disable-overlap-schedule" not in resolve_args(["--mm-reuse", "exact"])[1]
+
+
 def test_budget_is_parsed():
     config, _ = resolve_args(["--mm-reuse=exact", "--mm-refresh-budget=0.25"])
     assert config.mm_refresh_budget == 0.25
@@ -32,10 +39,10 @@ def test_budget_is_parsed():
     "argv, message",
     [
         (["--mm-reuse", "bogus"], "--mm-reuse 'bogus' is unknown"),
-        (["--mm-reuse", "conduit"], "--mm-reuse conduit is not implemented yet"),
-        (["--mm-refresh-budget", "0"], r"--mm-refresh-budget must be in \(0, 1\], got 0.0"),
-        (["--mm-refresh-budget", "1.01"], r"must be in \(0, 1\], got 1.01"),
-        (["--mm-refresh-budget", "nan"], r"must be in \(0, 1\], got nan"),
+        (["--mm-refresh-budget", "-0.1"], r"--mm-refresh-budget must be in \[0, 1\], got -0.1"),
+        (["--mm-refresh-budget", "1.01"], r"must be in \[0, 1\], got 1.01"),
+        (["--mm-refresh-budget", "nan"], r"must be in \[0, 1\], got nan"),
+        (["--mm-reuse", "conduit", "--page-size", "16"], "needs --page-size 1"),
         (
             ["--mm-reuse", "exact", "--radix-cache-backend", "flexkv"],
             "cannot be combined with --radix-cache-backend flexkv",

@@ -175,7 +175,7 @@ def test_cacheblend_needs_fresh_kv_and_ranks_by_deviation():
     with pytest.raises(ValueError, match="fresh K/V"):
         make_scorer("cacheblend").score(plain)
     fresh_k = tuple(k.clone() for k in inputs.keys)
-    fresh_k[0][30] += 100.0  # one token deviates a lot
+    fresh_k[1][30] += 100.0  # one token deviates a lot at layer 1 (layer 0 cannot)
     marked = ScoringInputs(
         inputs.queries,
         inputs.keys,

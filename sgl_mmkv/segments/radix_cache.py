@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import os
 
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 
 from sgl_mmkv.config import MMKVConfig, active_config
 from sgl_mmkv.segments.index import SegmentIndex

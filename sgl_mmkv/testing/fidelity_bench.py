@@ -72,11 +72,14 @@ class ProbeRecord:
     image_tokens: int
     probe_cached_image_tokens: int
     probe_latency_s: float
+    probe_reused_tokens: int = 0
+    probe_refreshed_tokens: int = 0
 
 
 @dataclass(slots=True)
 class ScenarioSummary:
     mode: str
+    budget: float | None
     scenario: str
     n: int
     full_prefill_accuracy: float
@@ -87,6 +90,8 @@ class ScenarioSummary:
     mean_prompt_tokens: float
     mean_cached_tokens: float
     mean_cached_image_tokens: float
+    mean_reused_tokens: float
+    mean_refreshed_tokens: float
     per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
 
 
@@ -119,6 +124,12 @@ class FidelityClient:
         response = requests.post(self.base_url + "/flush_cache", timeout=60)
         if response.status_code != 200:
             raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
+
+    def refresh_counters(self) -> dict[str, int]:
+        """sgl_mmkv's server-wide refresh counters (zeros on a stock server)."""
+        info = requests.get(self.base_url + "/get_server_info", timeout=60).json()
+        states = info.get("internal_states") or [{}]
+        return (states[0].get("sgl_mmkv") or {}).get("refresh") or {}
 
     def chat(self, messages: list[dict]) -> Reply:
         started = time.monotonic()
@@ -203,7 +214,9 @@ def measure(
             client.flush()
             for warm in warmups:
                 client.chat(warm)
+            before = client.refresh_counters()
             probe = client.chat(final)
+            after = client.refresh_counters()
             if len(image_mask) != probe.prompt_tokens:
                 raise RuntimeError(
                     f"local prompt has {len(image_mask)} tokens, the server's "
@@ -230,6 +243,9 @@ def measure(
                 image_tokens=sum(image_mask),
                 probe_cached_image_tokens=sum(image_mask[: probe.cached_tokens]),
                 probe_latency_s=probe.latency_s,
+                probe_reused_tokens=after.get("reused_tokens", 0) - before.get("reused_tokens", 0),
+                probe_refreshed_tokens=after.get("refreshed_tokens", 0)
+                - before.get("refreshed_tokens", 0),
             )
             records.append(record)
     return records
@@ -239,7 +255,9 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarise(mode: str, records: list[ProbeRecord]) -> list[ScenarioSummary]:
+def summarise(
+    mode: str, records: list[ProbeRecord], budget: float | None = None
+) -> list[ScenarioSummary]:
     summaries = []
     for scenario in dict.fromkeys(r.scenario for r in records):
         rs = [r for r in records if r.scenario == scenario]
@@ -249,6 +267,7 @@ def summarise(mode: str, records: list[ProbeRecord]) -> list[ScenarioSummary]:
         summaries.append(
             ScenarioSummary(
                 mode=mode,
+                budget=budget,
                 scenario=scenario,
                 n=len(rs),
                 full_prefill_accuracy=full,
@@ -259,6 +278,8 @@ def summarise(mode: str, records: list[ProbeRecord]) -> list[ScenarioSummary]:
                 mean_prompt_tokens=_mean([r.prompt_tokens for r in rs]),
                 mean_cached_tokens=_mean([r.probe_cached_tokens for r in rs]),
                 mean_cached_image_tokens=_mean([r.probe_cached_image_tokens for r in rs]),
+                mean_reused_tokens=_mean([r.probe_reused_tokens for r in rs]),
+                mean_refreshed_tokens=_mean([r.probe_refreshed_tokens for r in rs]),
                 per_qtype_accuracy={
                     q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
                 },
@@ -293,16 +314,19 @@ class PromptLayout:
 
 def format_table(summaries: list[ScenarioSummary]) -> str:
     header = (
-        f"{'mode':<8} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} {'rel acc':>7} "
-        f"{'1st agree':>9} {'KL':>8} {'prompt':>7} {'cached':>7} {'img cached':>10}"
+        f"{'mode':<10} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
+        f"{'rel acc':>7} {'1st agree':>9} {'KL':>8} {'prompt':>7} {'cached':>7} "
+        f"{'img cached':>10} {'reused':>7} {'refreshed':>9}"
     )
     lines = [header, "-" * len(header)]
     for s in summaries:
+        budget = "-" if s.budget is None else f"{s.budget:g}"
         lines.append(
-            f"{s.mode:<8} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
+            f"{s.mode:<10} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
             f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
             f"{s.mean_first_token_kl:>8.4f} {s.mean_prompt_tokens:>7.1f} "
-            f"{s.mean_cached_tokens:>7.1f} {s.mean_cached_image_tokens:>10.1f}"
+            f"{s.mean_cached_tokens:>7.1f} {s.mean_cached_image_tokens:>10.1f} "
+            f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f}"
         )
     return "\n".join(lines)
 
