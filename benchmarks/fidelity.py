@@ -1,6 +1,7 @@
 """Fidelity benchmark: reuse modes against full prefill, through real servers.
 
-    python benchmarks/fidelity.py --modes stock,exact,reuse,full,conduit,prophetkv,first,cacheblend,random
+    python benchmarks/fidelity.py \
+        --modes stock,exact,reuse,full,conduit,prophetkv,first,cacheblend,random
 
 For each mode a server is started (``stock``: ``python -m sglang.launch_server``;
 otherwise ``python -m sgl_mmkv.launch_server --mm-reuse MODE``) with the same CPU

@@ -15,6 +15,7 @@ import pytest
 import requests
 from transformers import AutoProcessor
 
+from sgl_mmkv.testing.fidelity_bench import FidelityClient
 from sgl_mmkv.testing.images import data_url, make_image, user_message
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
@@ -47,7 +48,7 @@ def _stats(server) -> dict:
 
 
 def _flush(server) -> None:
-    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+    FidelityClient(server.base_url).flush()
 
 
 def _chat(client, messages, max_tokens=8, **extra):
@@ -222,3 +223,28 @@ def test_segment_evicted_while_its_copy_decodes(server, client):
     ledger = _stats(server)["pool"]
     assert ledger["available"] == ledger["size"]
     assert ledger["store"] == 0
+
+
+def test_chunked_prefill_reuses_images_inside_a_chunk(tiny_vlm, tmp_path_factory):
+    """Chunks of 40 tokens: images wholly inside a chunk are reused, an image cut by
+    a chunk boundary is computed; the output still equals full prefill."""
+    log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_chunked.log"
+    args = _server_args(
+        "--mm-reuse", "conduit", "--mm-refresh-budget", "1.0", "--chunked-prefill-size", "40"
+    )
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
+        images = [make_image(600 + i) for i in range(4)]
+        probe_messages = _conversation("A different system prompt.", images)
+        cold = _chat(client, probe_messages)
+        _flush(proc)
+        _chat(client, _conversation("You are a helpful assistant.", images))
+        before = _stats(proc)
+        probe = _chat(client, probe_messages)
+        after = _stats(proc)
+        _assert_same(probe, cold)
+        hits = after["store"]["hits"] - before["store"]["hits"]
+        reused = after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"]
+        assert 1 <= hits <= 4
+        assert reused == hits * TOKENS_PER_IMAGE
+        assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]

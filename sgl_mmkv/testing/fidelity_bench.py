@@ -120,10 +120,17 @@ class FidelityClient:
         self.max_tokens = max_tokens
         self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
 
-    def flush(self) -> None:
-        response = requests.post(self.base_url + "/flush_cache", timeout=60)
-        if response.status_code != 200:
-            raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Empty the server's caches. SGLang refuses (400) while a request is still
+        being retired after its response was sent, so retry for a while."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            response = requests.post(self.base_url + "/flush_cache", timeout=60)
+            if response.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
+            time.sleep(0.2)
 
     def refresh_counters(self) -> dict[str, int]:
         """sgl_mmkv's server-wide refresh counters (zeros on a stock server)."""

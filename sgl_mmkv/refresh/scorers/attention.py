@@ -1,7 +1,8 @@
 """Torch reference of the scoring reduction: causal attention mass on each key.
 
 ``attention_mass`` is what CONDUIT and ProphetKV share, and the reference of the
-Triton scoring kernel.
+Triton scoring kernel, which it dispatches to for CUDA tensors (the scoring
+reduction of a refresh on the GPU never materialises the ``H x n_q x n`` scores).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def attention_mass(
     n, h_kv, _ = keys.shape
     if h_q % h_kv:
         raise ValueError(f"{h_q} query heads are not a multiple of {h_kv} KV heads")
+    if queries.is_cuda:
+        from sgl_mmkv.kernels.scattered_attention_triton import attention_mass_triton
+
+        slots = torch.arange(n, device=keys.device)
+        return attention_mass_triton(queries, keys, slots, query_positions.to(keys.device))
     k = keys.float().repeat_interleave(h_q // h_kv, dim=1)  # (n, H_q, d)
     logits = torch.einsum("qhd,khd->hqk", queries.float(), k) / d**0.5
     causal = torch.arange(n)[None, :] <= query_positions[:, None]  # (n_q, n)

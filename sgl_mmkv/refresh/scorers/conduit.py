@@ -16,9 +16,10 @@ def image_amplification(scores: torch.Tensor, image_ids: torch.Tensor, lam: floa
 
     Returns ``(N_v,)``: each token's image factor. One image gives 1 everywhere.
     """
+    image_ids = image_ids.to(scores.device)
     num_images = int(image_ids.max()) + 1
-    positive = scores.clamp(min=0)
-    sums = torch.zeros(num_images).index_add_(0, image_ids, positive)
+    positive = scores.float().clamp(min=0)
+    sums = torch.zeros(num_images, device=scores.device).index_add_(0, image_ids, positive)
     counts = torch.bincount(image_ids, minlength=num_images).float()
     m = sums / counts
     m_bar = m.mean()
