@@ -248,3 +248,35 @@ def test_chunked_prefill_reuses_images_inside_a_chunk(tiny_vlm, tmp_path_factory
         assert 1 <= hits <= 4
         assert reused == hits * TOKENS_PER_IMAGE
         assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]
+
+
+def test_bad_requests_leave_the_refresh_server_serving_and_the_ledger_exact(server, client):
+    image = make_image(700)
+    _chat(client, _conversation("Before the bad ones.", [image]))
+    broken = {
+        "model": "default",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}},
+                    {"type": "text", "text": "hi"},
+                ],
+            }
+        ],
+        "max_tokens": 4,
+    }
+    too_long = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "red green blue " * 3000}],
+        "max_tokens": 4,
+    }
+    for body in (broken, too_long):
+        r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert 400 <= r.status_code < 500, r.text
+    before = _stats(server)
+    text, _ = _chat(client, _conversation("After the bad ones.", [image]))
+    after = _stats(server)
+    assert text
+    assert after["store"]["hits"] - before["store"]["hits"] == 1
+    assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]

@@ -92,6 +92,7 @@ class ScenarioSummary:
     mean_cached_image_tokens: float
     mean_reused_tokens: float
     mean_refreshed_tokens: float
+    mean_probe_latency_s: float
     per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
 
 
@@ -287,6 +288,7 @@ def summarise(
                 mean_cached_image_tokens=_mean([r.probe_cached_image_tokens for r in rs]),
                 mean_reused_tokens=_mean([r.probe_reused_tokens for r in rs]),
                 mean_refreshed_tokens=_mean([r.probe_refreshed_tokens for r in rs]),
+                mean_probe_latency_s=_mean([r.probe_latency_s for r in rs]),
                 per_qtype_accuracy={
                     q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
                 },
@@ -323,7 +325,7 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
     header = (
         f"{'mode':<10} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
         f"{'rel acc':>7} {'1st agree':>9} {'KL':>8} {'prompt':>7} {'cached':>7} "
-        f"{'img cached':>10} {'reused':>7} {'refreshed':>9}"
+        f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
     )
     lines = [header, "-" * len(header)]
     for s in summaries:
@@ -333,7 +335,8 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
             f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
             f"{s.mean_first_token_kl:>8.4f} {s.mean_prompt_tokens:>7.1f} "
             f"{s.mean_cached_tokens:>7.1f} {s.mean_cached_image_tokens:>10.1f} "
-            f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f}"
+            f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f} "
+            f"{s.mean_probe_latency_s:>9.3f}"
         )
     return "\n".join(lines)
 
