@@ -6,11 +6,13 @@ attend causally *by position* over the whole row, whose KV lives in pool slots
 ``row_slots`` (fresh KV for refreshed rows, re-positioned stale KV for the rest).
 
 ``scattered_attention`` runs the Triton kernel on CUDA or under
-``TRITON_INTERPRET=1`` and ``scattered_attention_sdpa`` otherwise: the queries
-placed at their row positions in a full-length query block and one causal
-``scaled_dot_product_attention``, as SGLang's ``torch_native`` backend does for an
-ordinary extend. With every row active it is that backend's computation exactly,
-so a full refresh matches stock prefill bit for bit on the CPU.
+``TRITON_INTERPRET=1`` and ``scattered_attention_sdpa`` otherwise. When the queries
+are a contiguous suffix of the row (an ordinary extend, or a refresh at budget
+1.0), the SDPA path places them in a full-length query block and runs one causal
+``scaled_dot_product_attention``, exactly as SGLang's ``torch_native`` backend does,
+so a full refresh matches stock prefill bit for bit on the CPU. Scattered queries
+run one SDPA of only those queries with a ``(n_q, n)`` causal-by-position mask:
+``n_q * n`` work instead of the placed block's ``n * n``.
 """
 
 from __future__ import annotations
@@ -60,19 +62,30 @@ def scattered_attention_sdpa(
     query_positions: torch.Tensor,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`scattered_attention_reference`, through causal SDPA
-    over the whole row (rows without a query are computed and dropped)."""
+    """Same contract as :func:`scattered_attention_reference`, through SDPA."""
     n_q, h_q, d = q.shape
     n = row_slots.numel()
-    h_kv = k_buffer.shape[1]
-    placed = q.new_zeros((h_q, n, d))
-    placed[:, query_positions] = q.transpose(0, 1)
-    k = k_buffer[row_slots].transpose(0, 1).to(q.dtype)
-    v = v_buffer[row_slots].transpose(0, 1).to(q.dtype)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        placed[None], k[None], v[None], is_causal=True, scale=sm_scale, enable_gqa=h_q != h_kv
+    gqa = h_q != k_buffer.shape[1]
+    k = k_buffer[row_slots].transpose(0, 1).to(q.dtype)[None]
+    v = v_buffer[row_slots].transpose(0, 1).to(q.dtype)[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    positions = query_positions.to(row_slots.device)
+    suffix = torch.arange(n - n_q, n, device=positions.device)
+    if torch.equal(positions, suffix):
+        placed = q.new_zeros((h_q, n, d))
+        placed[:, n - n_q :] = q.transpose(0, 1)
+        out = sdpa(placed[None], k, v, is_causal=True, scale=sm_scale, enable_gqa=gqa)[0]
+        return out[:, n - n_q :].transpose(0, 1)
+    visible = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]
+    out = sdpa(
+        q.transpose(0, 1)[None],
+        k,
+        v,
+        attn_mask=visible.to(q.device),
+        scale=sm_scale,
+        enable_gqa=gqa,
     )[0]
-    return out[:, query_positions].transpose(0, 1)
+    return out.transpose(0, 1)
 
 
 def scattered_attention(

@@ -26,6 +26,12 @@ IMPLEMENTED_REUSE_MODES: tuple[str, ...] = tuple(REUSE_MODES)
 CACHE_ONLY_MODES: tuple[str, ...] = ("off", "exact")
 
 DEFAULT_REFRESH_BUDGET = 0.1
+# How a new image's KV enters the segment store (refresh modes).
+SEGMENT_FILL_POLICIES: dict[str, str] = {
+    "first": "copied from the first request that shows the image (its context included)",
+    "canonical": "recomputed for the image alone, after its <|vision_start|> token",
+}
+DEFAULT_SEGMENT_FILL = "first"
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
 
@@ -41,10 +47,12 @@ class MMKVConfig:
         mm_reuse: one of :data:`REUSE_MODES`.
         mm_refresh_budget: fraction of reused image tokens recomputed, in [0, 1]
             (0 recomputes only the text, as ``reuse``).
+        mm_segment_fill: one of :data:`SEGMENT_FILL_POLICIES`.
     """
 
     mm_reuse: str = "off"
     mm_refresh_budget: float = DEFAULT_REFRESH_BUDGET
+    mm_segment_fill: str = DEFAULT_SEGMENT_FILL
 
     def __post_init__(self) -> None:
         if self.mm_reuse not in REUSE_MODES:
@@ -63,6 +71,16 @@ class MMKVConfig:
             or not (0.0 <= budget <= 1.0)
         ):
             raise ConfigError(f"--mm-refresh-budget must be in [0, 1], got {budget!r}")
+        if self.mm_segment_fill not in SEGMENT_FILL_POLICIES:
+            raise ConfigError(
+                f"--mm-segment-fill {self.mm_segment_fill!r} is unknown; "
+                f"choose one of {', '.join(SEGMENT_FILL_POLICIES)}"
+            )
+        if self.mm_segment_fill != DEFAULT_SEGMENT_FILL and not self.uses_refresh:
+            raise ConfigError(
+                f"--mm-segment-fill {self.mm_segment_fill} needs a refresh mode of --mm-reuse "
+                f"(the segment store), not {self.mm_reuse}"
+            )
 
     @property
     def uses_mmkv_cache(self) -> bool:

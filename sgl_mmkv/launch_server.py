@@ -4,6 +4,7 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
 
     --mm-reuse {off,exact,conduit,...}   how image KV is reused (default: off)
     --mm-refresh-budget R                fraction of reused image tokens recomputed, [0, 1]
+    --mm-segment-fill {first,canonical}  how a new image's KV enters the segment store
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
@@ -18,9 +19,11 @@ import sys
 
 from sgl_mmkv.config import (
     DEFAULT_REFRESH_BUDGET,
+    DEFAULT_SEGMENT_FILL,
     IMPLEMENTED_REUSE_MODES,
     RADIX_CACHE_BACKEND_NAME,
     REUSE_MODES,
+    SEGMENT_FILL_POLICIES,
     ConfigError,
     MMKVConfig,
     export_config,
@@ -48,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="fraction of reused image tokens recomputed, in [0, 1] (default %(default)s)",
     )
+    fills = "; ".join(f"{name}: {text}" for name, text in SEGMENT_FILL_POLICIES.items())
+    parser.add_argument(
+        "--mm-segment-fill",
+        default=DEFAULT_SEGMENT_FILL,
+        metavar="{" + ",".join(SEGMENT_FILL_POLICIES) + "}",
+        help=f"how a new image's KV enters the segment store (default %(default)s). {fills}",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -73,7 +83,11 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
     """
     parser = build_parser()
     ours, sglang_argv = parser.parse_known_args(argv)
-    config = MMKVConfig(mm_reuse=ours.mm_reuse, mm_refresh_budget=ours.mm_refresh_budget)
+    config = MMKVConfig(
+        mm_reuse=ours.mm_reuse,
+        mm_refresh_budget=ours.mm_refresh_budget,
+        mm_segment_fill=ours.mm_segment_fill,
+    )
     sglang_argv = list(sglang_argv)
 
     if config.uses_mmkv_cache:

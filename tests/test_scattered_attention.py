@@ -56,12 +56,17 @@ def test_attention_mass_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
     assert got.sum().item() == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("layout", ["scattered", "suffix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
-def test_sdpa_path_matches_reference(n_q, h_q, h_kv, d, n, dtype):
+def test_sdpa_path_matches_reference(n_q, h_q, h_kv, d, n, dtype, layout):
+    """Both SDPA paths: masked scattered queries, and the placed block of an extend."""
     q, k, v, slots, _ = _case(n_q, h_q, h_kv, d, n, dtype, seed=3)
     g = torch.Generator().manual_seed(4)
-    pos = torch.randperm(n, generator=g)[: min(n_q, n)].to(DEVICE)  # one query per row position
+    if layout == "suffix":
+        pos = torch.arange(n - min(n_q, n), n, device=DEVICE)
+    else:
+        pos = torch.randperm(n, generator=g)[: min(n_q, n)].to(DEVICE)  # one per row position
     q = q[: pos.numel()]
     want = scattered_attention_reference(q, k, v, slots, pos)
     got = scattered_attention_sdpa(q, k, v, slots, pos)

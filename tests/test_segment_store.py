@@ -119,3 +119,17 @@ def test_plan_leaves_prefix_and_partial_images_alone(store):
     # Image A inside the exact-prefix match: stock reuse; image B past this chunk.
     plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope), 8, 2)
     assert plan.spans == [] and plan.fills == []
+
+
+def test_reserve_then_discard_returns_every_slot(store):
+    before = store.allocator.available_size()
+    segment = store.reserve((5, 6), 6, torch.arange(6)[None])
+    assert segment is not None and segment.slots.numel() == 6
+    assert store.num_tokens == 6 and store.counters.fills == 1 and (5, 6) in store
+    assert store.allocator.available_size() == before - 6
+    assert store.reserve((5, 6), 6, torch.arange(6)[None]) is None  # one entry per key
+    store.discard((5, 6))
+    assert (5, 6) not in store and store.num_tokens == 0 and store.counters.fills == 0
+    assert store.allocator.available_size() == before
+    store.discard((5, 6))  # discarding twice frees nothing twice
+    assert store.allocator.available_size() == before

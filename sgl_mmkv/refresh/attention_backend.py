@@ -93,3 +93,63 @@ class RefreshAttentionBackend(AttentionBackend):
 
     def forward_decode(self, *args, **kwargs):
         raise RuntimeError("RefreshAttentionBackend serves extend passes only")
+
+
+class GroupLocalAttentionBackend(AttentionBackend):
+    """Each group of consecutive active tokens attends causally to its own group only.
+
+    The canonical fill pass: a group is an image's tokens after the token before
+    the image (its ``<|vision_start|>``), so the image is computed as if alone. Only
+    the rows ``write_rows`` keep their KV, written to ``write_slots`` (the segment
+    store's slots); no request slot is written.
+
+    Args:
+        token_to_kv_pool: SGLang's KV pool.
+        group_sizes: sizes of the consecutive groups, in batch order (sum = tokens).
+        write_rows: ``(m,)`` int64 rows of the pass whose KV is kept.
+        write_slots: ``(m,)`` int64 pool slots they are written to.
+    """
+
+    def __init__(
+        self,
+        token_to_kv_pool,
+        group_sizes: list[int],
+        write_rows: torch.Tensor,
+        write_slots: torch.Tensor,
+    ) -> None:
+        super().__init__()
+        self.token_to_kv_pool = token_to_kv_pool
+        self.group_sizes = group_sizes
+        self.write_rows = write_rows
+        self.write_slots = write_slots
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Nothing to plan: attention uses the pass's own K and V."""
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kw):
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        k_ = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        v_ = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
+        if save_kv_cache and self.write_rows.numel():
+            rows = self.write_rows.to(k.device)
+            loc = KVWriteLoc(self.write_slots.to(k.device), None)
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k_[rows], v_[rows])
+        out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        out_ = out.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        start = 0
+        for n in self.group_sizes:
+            group = slice(start, start + n)
+            out_[group] = torch.nn.functional.scaled_dot_product_attention(
+                q_[group].transpose(0, 1)[None],
+                k_[group].transpose(0, 1)[None],
+                v_[group].transpose(0, 1)[None],
+                is_causal=True,
+                scale=layer.scaling,
+                enable_gqa=gqa,
+            )[0].transpose(0, 1)
+            start += n
+        return out
+
+    def forward_decode(self, *args, **kwargs):
+        raise RuntimeError("GroupLocalAttentionBackend serves extend passes only")

@@ -14,7 +14,9 @@ For an extend batch with at least one :class:`ReuseSpan` (``plan.py``):
 
 Stock SGLang code runs every pass (``EagerRunner._execute_extend`` on a sub-batch,
 the model's own modules); only the attention backend is ours for the pass.
-After the forward, fully computed images not yet stored fill the store.
+After the forward, fully computed images not yet stored fill the store: copied
+from the request (fill policy ``first``), or recomputed alone in one more pass
+whose attention is local to each image (``canonical``, :meth:`_fill_canonical`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
-from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
+from sgl_mmkv.refresh.attention_backend import (
+    GroupLocalAttentionBackend,
+    QueryCapture,
+    RefreshAttentionBackend,
+)
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
+from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.scorers import RefreshScorer, ScoringInputs
 from sgl_mmkv.refresh.sub_batch import active_sub_batch
@@ -48,6 +55,8 @@ class RefreshCounters:
     reused_tokens: int = 0
     refreshed_tokens: int = 0
     recomputed_tokens: int = 0
+    executed_flops: int = 0
+    full_prefill_flops: int = 0
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -72,22 +81,29 @@ class RefreshExecutor:
         store: the segment store of this server.
         scorer: the ``--mm-reuse`` method.
         budget: ``--mm-refresh-budget``.
+        fill_policy: ``--mm-segment-fill`` (``first`` or ``canonical``).
     """
 
-    def __init__(self, store: SegmentStore, scorer: RefreshScorer, budget: float) -> None:
+    def __init__(
+        self, store: SegmentStore, scorer: RefreshScorer, budget: float, fill_policy: str = "first"
+    ) -> None:
         self.store = store
         self.scorer = scorer
         self.budget = budget
+        self.fill_policy = fill_policy
         self.counters = RefreshCounters()
         self._inv_freq: torch.Tensor | None = None
+        self._shape: DecoderShape | None = None
 
     def execute_extend(self, run_extend: Callable, model_runner, forward_batch):
         """``run_extend(forward_batch)`` is the stock eager extend; returns its output."""
         plans = plan_batch(self.store, forward_batch)
         self._drop_unsupported(forward_batch, plans)
+        self._count_full_prefill(model_runner, forward_batch)
         if not any(p.spans for p in plans):
             out = run_extend(forward_batch)
-            self._fill(model_runner, forward_batch, plans)
+            self.counters.executed_flops += self._full_flops(forward_batch)
+            self._fill(run_extend, model_runner, forward_batch, plans, None)
             self._report(forward_batch, plans, None, out, 0.0)
             return out
         started = time.perf_counter()
@@ -104,22 +120,37 @@ class RefreshExecutor:
             mask[-1] = True
             active.append(mask)
         out = self._run_pass(run_extend, model_runner, forward_batch, active, embeddings)
-        self._fill(model_runner, forward_batch, plans)
+        self._fill(run_extend, model_runner, forward_batch, plans, embeddings)
         self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
         return out
 
     # -- passes ---------------------------------------------------------------------------
 
-    def _run_pass(self, run_extend, model_runner, forward_batch, active, embeddings, capture=None):
+    def _run_pass(
+        self,
+        run_extend,
+        model_runner,
+        forward_batch,
+        active,
+        embeddings,
+        capture=None,
+        backend=None,
+    ):
+        """Run the model on the ``active`` rows; ``backend`` defaults to attention over
+        each request's whole row (:class:`RefreshAttentionBackend`)."""
         sub, index = active_sub_batch(forward_batch, active)
         embeddings.index = index
-        positions = [
-            plan_row.nonzero().flatten() + int(prefix)
-            for plan_row, prefix in zip(active, forward_batch.extend_prefix_lens_cpu, strict=True)
-        ]
-        backend = RefreshAttentionBackend(
-            model_runner.req_to_token_pool, model_runner.token_to_kv_pool, positions, capture
-        )
+        if backend is None:
+            positions = [
+                plan_row.nonzero().flatten() + int(prefix)
+                for plan_row, prefix in zip(
+                    active, forward_batch.extend_prefix_lens_cpu, strict=True
+                )
+            ]
+            self.counters.executed_flops += sum(self._shape.pass_flops(p) for p in positions)
+            backend = RefreshAttentionBackend(
+                model_runner.req_to_token_pool, model_runner.token_to_kv_pool, positions, capture
+            )
         with (
             forward_context(ForwardContext(attn_backend=backend), forward_batch=sub),
             embedding_pass(embeddings),
@@ -251,13 +282,71 @@ class RefreshExecutor:
                 inv_freq,
             )
 
-    def _fill(self, model_runner, forward_batch, plans) -> None:
+    def _fill(self, run_extend, model_runner, forward_batch, plans, embeddings) -> None:
+        """Store the batch's new images. ``canonical`` needs the token before the
+        image in this extend; an image without it is copied as under ``first``."""
         req_to_token = model_runner.req_to_token_pool.req_to_token
+        canonical = []
         for plan in plans:
             pool_index = forward_batch.req_pool_indices[plan.index]
             for fill in plan.fills:
+                if self.fill_policy == "canonical" and fill.start > plan.prefix_len:
+                    canonical.append((plan, fill))
+                    continue
                 slots = req_to_token[pool_index, fill.start : fill.end].to(torch.long)
                 self.store.fill(fill.key, slots, fill.positions)
+        if canonical:
+            if embeddings is None:
+                embeddings = EmbeddingPass(
+                    full_batch=forward_batch, stock_backend=model_runner.attn_backend
+                )
+            self._fill_canonical(run_extend, model_runner, forward_batch, canonical, embeddings)
+
+    def _fill_canonical(self, run_extend, model_runner, forward_batch, fills, embeddings) -> None:
+        """One pass over ``[token before the image, image tokens]`` of every fill, each
+        group attending to itself only, at the request's positions; the image rows'
+        KV goes straight into fresh store slots. The request's own KV is untouched."""
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
+        slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
+        reserved = []
+        for plan, fill in fills:
+            lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
+            if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
+                pool_index = forward_batch.req_pool_indices[plan.index]
+                row = model_runner.req_to_token_pool.req_to_token[pool_index]
+                self.store.fill(fill.key, row[fill.start : fill.end].to(torch.long), fill.positions)
+                continue
+            segment = self.store.reserve(fill.key, fill.end - fill.start, fill.positions)
+            if segment is None:
+                continue
+            reserved.append(fill.key)
+            group[plan.index][lo - 1 : hi] = len(reserved)
+            slot[plan.index][lo:hi] = segment.slots.cpu()
+        if not reserved:
+            return
+        active = []
+        for i, ids in enumerate(group):
+            if ids[-1] < 0:  # every request keeps a last row for the logits processor
+                ids[-1] = len(reserved) + 1 + i
+            active.append(ids >= 0)
+        ids = torch.cat([g[m] for g, m in zip(group, active, strict=True)])
+        slots = torch.cat([s[m] for s, m in zip(slot, active, strict=True)])
+        _, sizes = torch.unique_consecutive(ids, return_counts=True)
+        rows = (slots >= 0).nonzero().flatten()
+        backend = GroupLocalAttentionBackend(
+            model_runner.token_to_kv_pool, sizes.tolist(), rows, slots[rows]
+        )
+        keys = int((sizes * (sizes + 1) // 2).sum())
+        self.counters.executed_flops += self._shape.flops(int(ids.numel()), keys, len(group))
+        try:
+            self._run_pass(
+                run_extend, model_runner, forward_batch, active, embeddings, backend=backend
+            )
+        except BaseException:
+            for key in reserved:
+                self.store.discard(key)
+            raise
 
     @staticmethod
     def _drop_unsupported(forward_batch, plans) -> None:
@@ -270,6 +359,22 @@ class RefreshExecutor:
             ext = forward_batch.extend_seq_lens_cpu[i]
             if ext - forward_batch.extend_logprob_start_lens_cpu[i] > 1:
                 plan.spans.clear()
+
+    # -- FLOPs ---------------------------------------------------------------------------
+
+    def _count_full_prefill(self, model_runner, forward_batch) -> None:
+        if self._shape is None:
+            self._shape = DecoderShape.from_config(model_runner.model_config.hf_text_config)
+        self.counters.full_prefill_flops += self._full_flops(forward_batch)
+
+    def _full_flops(self, forward_batch) -> int:
+        """What the stock extend of this batch computes."""
+        return sum(
+            self._shape.extend_flops(int(prefix), int(prefix) + int(ext))
+            for prefix, ext in zip(
+                forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu, strict=True
+            )
+        )
 
     # -- observability --------------------------------------------------------------------
 

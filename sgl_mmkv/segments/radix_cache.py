@@ -87,7 +87,10 @@ class MMKVRadixCache(UnifiedRadixCache):
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool)
         self.refresh_executor = RefreshExecutor(
-            self.segment_store, make_scorer(config.mm_reuse), config.mm_refresh_budget
+            self.segment_store,
+            make_scorer(config.mm_reuse),
+            config.mm_refresh_budget,
+            fill_policy=config.mm_segment_fill,
         )
         set_active_executor(self.refresh_executor)
 

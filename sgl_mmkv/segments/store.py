@@ -112,26 +112,44 @@ class SegmentStore:
             True if stored; False if already present or the pool had no free slots
             (filling never evicts: it runs inside a forward).
         """
-        if key in self._segments:
+        segment = self.reserve(key, int(src_slots.numel()), positions)
+        if segment is None:
             return False
-        n = int(src_slots.numel())
-        if n == 0 or self.allocator.available_size() < n:
-            self.counters.fill_skipped += 1
-            return False
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            self.counters.fill_skipped += 1
-            return False
+        slots = segment.slots
         src = src_slots.to(slots.device)
         for layer in range(self.kv_pool.layer_num):
             k = self.kv_pool.get_key_buffer(layer)
             v = self.kv_pool.get_value_buffer(layer)
             k[slots] = k[src]
             v[slots] = v[src]
-        self._segments[key] = Segment(key, slots, positions.to("cpu", torch.long).clone())
+        return True
+
+    def reserve(self, key: SegmentKey, n: int, positions: torch.Tensor) -> Segment | None:
+        """A new segment of ``n`` fresh slots whose KV the caller writes (canonical fill).
+
+        Returns None if ``key`` is present or the pool has no ``n`` free slots.
+        """
+        if key in self._segments:
+            return None
+        if n == 0 or self.allocator.available_size() < n:
+            self.counters.fill_skipped += 1
+            return None
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.counters.fill_skipped += 1
+            return None
+        segment = Segment(key, slots, positions.to("cpu", torch.long).clone())
+        self._segments[key] = segment
         self._num_tokens += n
         self.counters.fills += 1
-        return True
+        return segment
+
+    def discard(self, key: SegmentKey) -> None:
+        """Drop ``key`` and free its slots (a fill whose KV could not be written)."""
+        segment = self._segments.pop(key, None)
+        if segment is not None:
+            self._release(segment, free_slots=True)
+            self.counters.fills -= 1
 
     def evict_lru(self, num_tokens: int) -> int:
         """Free least recently used segments until ``num_tokens`` slots are freed

@@ -44,6 +44,22 @@ class TinyModelSpec:
     max_pixels: int = 224 * 224
 
 
+# Large enough that prefill compute dominates on a CPU (issue 6): ~110 M decoder
+# parameters, 448 x 448 images -> 32 x 32 patches -> 256 tokens. Random weights.
+BENCH_SPEC = TinyModelSpec(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=4,
+    mrope_section=(8, 12, 12),
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+    max_pixels=448 * 448,
+)
+PRESETS = {"tiny": TinyModelSpec(), "bench": BENCH_SPEC}
+
+
 def _token_ids() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
 
@@ -233,8 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=ARCHS, required=True)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="tiny: 2 layers, hidden 128 (tests); bench: 8 layers, hidden 1024, "
+        "256 tokens per 448 x 448 image (throughput benchmark)",
+    )
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.arch, args.out, seed=args.seed)
+    path = make_tiny_model(args.arch, args.out, seed=args.seed, spec=PRESETS[args.preset])
     print(path)
     return 0
 

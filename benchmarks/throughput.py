@@ -1,0 +1,145 @@
+"""Throughput and TTFT of sgl_mmkv against stock SGLang, side by side in one run.
+
+    python benchmarks/throughput.py --modes conduit --out-dir benchmarks/results/throughput
+
+Starts ``python -m sglang.launch_server`` and ``python -m sgl_mmkv.launch_server
+--mm-reuse MODE`` for each mode with identical settings (verified from each
+server's ``/get_server_info``), sends every side the same seeded requests through
+the OpenAI-compatible API (streaming) at each concurrency, alternating the order
+of the sides from cell to cell, and writes ``throughput.json``, ``throughput.md``
+and ``throughput.png`` (TTFT against images per request; throughput against
+concurrency). Exits 1 if any request fails or the no-reuse control's TTFT
+overhead exceeds ``--max-control-overhead``.
+
+Without ``--model-path`` it builds (once) a random-weight Qwen2-VL large enough
+that prefill compute dominates on a CPU: 8 layers, hidden 1024, 256 tokens per
+448 x 448 image (``make_tiny_model --preset bench``). On a GPU pass a real
+checkpoint and your own ``--server-args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from sgl_mmkv.benchmarking.report import (
+    control_overhead,
+    failures,
+    format_serving_block,
+    format_table,
+    summarise,
+    write_outputs,
+)
+from sgl_mmkv.benchmarking.runner import BenchConfig, run_benchmark
+from sgl_mmkv.benchmarking.workloads import WORKLOADS
+from sgl_mmkv.config import REUSE_MODES
+from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.refresh.flops import DecoderShape
+from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
+
+DEFAULT_BENCH_MODEL = Path("/tmp/sgl_mmkv-bench-qwen2-vl")
+CPU_SHARED_ARGS = (
+    "--device cpu --attention-backend torch_native --page-size 1 --chunked-prefill-size 8192 "
+    "--max-total-tokens 32768 --mem-fraction-static 0.3 --random-seed 0 --enable-cache-report "
+    "--disable-overlap-schedule"
+)
+GPU_SHARED_ARGS = (
+    "--page-size 1 --chunked-prefill-size 8192 --mem-fraction-static 0.8 --random-seed 0 "
+    "--enable-cache-report --disable-overlap-schedule"
+)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--modes", default="conduit", help="comma list of --mm-reuse modes")
+    parser.add_argument("--mm-refresh-budget", type=float, default=0.1)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--images", type=_ints, default=(4, 8, 16), help="images per request")
+    parser.add_argument("--concurrency", type=_ints, default=(1, 4))
+    parser.add_argument("--requests-per-cell", type=int, default=4)
+    parser.add_argument("--pool-size", type=int, default=24, help="doc_qa page pool")
+    parser.add_argument("--image-size", type=int, default=448, help="pixels per side")
+    parser.add_argument("--turns", type=int, default=4, help="multi_turn turns per session")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--server-args",
+        default=None,
+        help="arguments given to every server (default: the CPU or GPU set in this file)",
+    )
+    parser.add_argument("--max-control-overhead", type=float, default=0.15)
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/throughput"))
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in REUSE_MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; choose from {', '.join(REUSE_MODES)}")
+    args.modes = modes
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every server this run started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        prepare_cpu_process()
+    model = args.model_path
+    if model is None:
+        model = DEFAULT_BENCH_MODEL
+        if not (model / "config.json").exists():
+            make_tiny_model("qwen2_vl", model, seed=0, spec=BENCH_SPEC)
+    shared = shlex.split(args.server_args or (GPU_SHARED_ARGS if cuda else CPU_SHARED_ARGS))
+    config = BenchConfig(
+        workloads=tuple(w for w in args.workloads.split(",") if w),
+        images=args.images,
+        concurrency=args.concurrency,
+        requests_per_cell=args.requests_per_cell,
+        pool_size=args.pool_size,
+        image_size=args.image_size,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    run = run_benchmark(model, args.modes, shared, config, args.out_dir, args.mm_refresh_budget)
+    shape = DecoderShape.from_config(json.loads((model / "config.json").read_text()))
+    rows = summarise(run, shape)
+    meta = {
+        "command": "python benchmarks/throughput.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "model_path": str(model),
+        "shared_server_args": shared,
+        "refresh_budget": args.mm_refresh_budget,
+        "config": {k: getattr(config, k) for k in config.__slots__},
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        + (torch.cuda.get_device_name() if cuda else "no GPU"),
+    }
+    write_outputs(run, rows, meta, args.out_dir)
+    print(format_table(rows))
+    for side in run.sides:
+        print(format_serving_block(rows, side))
+    bound = args.max_control_overhead
+    overhead = control_overhead(rows)
+    print(f"no-reuse control: worst mean-TTFT overhead {overhead:+.1%} (bound {bound:.0%})")
+    print(f"wrote {args.out_dir}/throughput.json, throughput.md, throughput.png")
+    problems = failures(run, rows, bound)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The servers of a comparison: stock SGLang and sgl_mmkv modes, identical settings.
+
+Each side is started with the same shared arguments; :func:`verify_identical`
+then reads every server's ``/get_server_info`` and fails unless the settings that
+decide speed are equal (the radix-cache backend is the one intended difference).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import requests
+
+from sgl_mmkv.testing.server import ServerProcess, stock_cpu_env
+
+STOCK = "stock"
+
+# Server settings that must be equal on every side of a comparison.
+COMPARED_SETTINGS = (
+    "model_path",
+    "tokenizer_path",
+    "dtype",
+    "kv_cache_dtype",
+    "device",
+    "attention_backend",
+    "prefill_attention_backend",
+    "decode_attention_backend",
+    "mm_attention_backend",
+    "page_size",
+    "mem_fraction_static",
+    "max_total_tokens",
+    "max_total_num_tokens",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "schedule_policy",
+    "schedule_conservativeness",
+    "random_seed",
+    "context_length",
+    "disable_radix_cache",
+    "disable_overlap_schedule",
+    "disable_cuda_graph",
+    "cuda_graph_max_bs",
+    "enable_cache_report",
+    "tp_size",
+    "dp_size",
+)
+# Differences that are the point of the comparison, or plain addresses.
+EXPECTED_DIFFERENCES = frozenset({"radix_cache_backend", "port", "host", "log_requests"})
+
+_LOG_USAGE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\].*token usage: ([0-9.]+)")
+
+
+@dataclass(slots=True)
+class Side:
+    """One server of the comparison: ``stock`` or an ``--mm-reuse`` mode."""
+
+    name: str
+    process: ServerProcess
+    info: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return self.process.base_url
+
+    def server_info(self) -> dict:
+        response = requests.get(f"{self.base_url}/get_server_info", timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    def mmkv_stats(self) -> dict:
+        """sgl_mmkv's counters (empty for stock or ``off``)."""
+        states = self.server_info().get("internal_states") or [{}]
+        return (states[0] or {}).get("sgl_mmkv") or {}
+
+    def peak_token_usage(self, start: datetime, end: datetime) -> float:
+        """Highest ``token usage`` the scheduler logged in ``[start, end]`` (seconds
+        resolution): the fraction of the KV pool held by running requests."""
+        peak = 0.0
+        for line in Path(self.process.log_path).read_text(errors="replace").splitlines():
+            match = _LOG_USAGE.match(line)
+            if match:
+                stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
+                if start.replace(microsecond=0) <= stamp <= end:
+                    peak = max(peak, float(match.group(2)))
+        return peak
+
+
+def build_side(
+    name: str,
+    model_path: str | Path,
+    shared_args: Sequence[str],
+    log_dir: Path,
+    refresh_budget: float,
+) -> Side:
+    """A not yet started server for ``name`` (``stock`` or an ``--mm-reuse`` mode)."""
+    log = log_dir / f"server-{name}.log"
+    if name == STOCK:
+        process = ServerProcess(
+            "sglang.launch_server", model_path, shared_args, log_path=log, env=stock_cpu_env()
+        )
+    else:
+        mmkv = ["--mm-reuse", name, "--mm-refresh-budget", str(refresh_budget)]
+        process = ServerProcess("sgl_mmkv.launch_server", model_path, [*mmkv, *shared_args], log)
+    return Side(name, process)
+
+
+def verify_identical(sides: Sequence[Side]) -> dict[str, dict[str, object]]:
+    """Fetch every side's settings; raise if a compared setting differs.
+
+    Returns the settings that differ anywhere (compared or not) by side, for the report.
+    """
+    for side in sides:
+        side.info = side.server_info()
+    reference = sides[0].info
+    mismatched = [
+        key
+        for key in COMPARED_SETTINGS
+        if any(side.info.get(key) != reference.get(key) for side in sides[1:])
+    ]
+    if mismatched:
+        detail = {key: {s.name: s.info.get(key) for s in sides} for key in mismatched}
+        raise RuntimeError(f"servers differ in settings that decide speed: {detail}")
+    keys = sorted(set().union(*(s.info for s in sides)) - {"internal_states"})
+    return {
+        key: {s.name: s.info.get(key) for s in sides}
+        for key in keys
+        if not isinstance(reference.get(key), dict)
+        and any(repr(s.info.get(key)) != repr(reference.get(key)) for s in sides[1:])
+        and key not in EXPECTED_DIFFERENCES
+    }
