@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.fidelity_bench import (
     SCENARIOS,
@@ -41,7 +42,9 @@ BUDGETED_MODES: tuple[str, ...] = ("conduit", "prophetkv", "first", "cacheblend"
 UNBUDGETED_REFRESH: dict[str, float] = {"reuse": 0.0, "full": 1.0}
 
 
-def server_for(mode: str, model: Path, budget: float | None, log_dir: Path) -> ServerProcess:
+def server_for(
+    mode: str, model: Path, budget: float | None, log_dir: Path, segment_fill: str = "first"
+) -> ServerProcess:
     if mode == "stock":
         return ServerProcess(
             "sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log_dir / "stock.log"
@@ -49,6 +52,8 @@ def server_for(mode: str, model: Path, budget: float | None, log_dir: Path) -> S
     extra = ["--mm-reuse", mode]
     if budget is not None:
         extra += ["--mm-refresh-budget", str(budget)]
+    if mode not in CACHE_ONLY_MODES:
+        extra += ["--mm-segment-fill", segment_fill]
     name = f"{mode}" + (f"_{budget}" if budget is not None else "")
     return ServerProcess(
         "sgl_mmkv.launch_server",
@@ -102,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--num-examples", type=int, default=40)
     parser.add_argument("--budgets", default="0.05,0.1,0.2", help="for budgeted modes")
+    parser.add_argument(
+        "--segment-fill",
+        choices=sorted(SEGMENT_FILL_POLICIES),
+        default="first",
+        help="--mm-segment-fill of the refresh-mode servers",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/fidelity"))
     args = parser.parse_args(argv)
 
@@ -122,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         for budget in budgets if mode in BUDGETED_MODES else [UNBUDGETED_REFRESH.get(mode)]:
             label = mode if budget is None else f"{mode}@{budget}"
-            with server_for(mode, args.model_path, budget, args.out_dir) as server:
+            server = server_for(mode, args.model_path, budget, args.out_dir, args.segment_fill)
+            with server:
                 client = FidelityClient(server.base_url)
                 records[label] = measure(client, layout, examples, scenarios)
             summaries += summarise(mode, records[label], budget)
@@ -135,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(),
         "model_path": str(args.model_path),
         "num_examples": args.num_examples,
+        "segment_fill": args.segment_fill,
         "seconds": round(time.monotonic() - started, 1),
         **to_json(summaries, records),
     }

@@ -48,11 +48,11 @@ DEFAULT_BENCH_MODEL = Path("/tmp/sgl_mmkv-bench-qwen2-vl")
 CPU_SHARED_ARGS = (
     "--device cpu --attention-backend torch_native --page-size 1 --chunked-prefill-size 8192 "
     "--max-total-tokens 32768 --mem-fraction-static 0.3 --random-seed 0 --enable-cache-report "
-    "--disable-overlap-schedule"
+    "--disable-overlap-schedule --sleep-on-idle"
 )
 GPU_SHARED_ARGS = (
     "--page-size 1 --chunked-prefill-size 8192 --mem-fraction-static 0.8 --random-seed 0 "
-    "--enable-cache-report --disable-overlap-schedule"
+    "--enable-cache-report --disable-overlap-schedule --sleep-on-idle"
 )
 
 

@@ -127,7 +127,7 @@ def control_overhead(rows: list[CellSummary]) -> float:
 def failures(run: BenchRun, rows: list[CellSummary], max_control_overhead: float) -> list[str]:
     """Why the run must exit non-zero: failed requests, or the no-reuse control's
     overhead over ``max_control_overhead`` (a fraction of stock's mean TTFT)."""
-    problems = []
+    problems = [f"run stopped early: {run.aborted}"] if run.aborted else []
     failed = sum(row.failed for row in rows)
     failed += sum(not r.ok for results in run.warmup.values() for r in results)
     if failed:
@@ -217,6 +217,7 @@ def to_json(run: BenchRun, rows: list[CellSummary], meta: dict) -> dict:
         "sides": run.sides,
         "settings_differences": run.settings_differences,
         "wall_s": run.wall_s,
+        "aborted": run.aborted,
         "control_overhead": control_overhead(rows),
         "cells": [asdict(row) for row in rows],
         "requests": {f"{c.side}/{c.cell.key}": [asdict(r) for r in c.results] for c in run.cells},

@@ -125,6 +125,7 @@ class BenchRun:
     warmup: dict[str, list[RequestResult]]
     cells: list[CellRun]
     wall_s: float
+    aborted: str = ""  # why the run stopped early (a server died), or empty
 
 
 def run_benchmark(
@@ -156,11 +157,22 @@ def run_benchmark(
             for side in sides:
                 warmup[side.name] = run_requests(side.base_url, requests, 1, config.max_tokens)
         runs = []
+        aborted = ""
         for i, cell in enumerate(cells):
+            if aborted:
+                break
             order = sides if i % 2 == 0 else sides[::-1]
             for side in order:
-                run = run_cell(side, cell, config.max_tokens)
+                try:
+                    run = run_cell(side, cell, config.max_tokens)
+                except requests.RequestException as exc:
+                    alive = side.process.process is not None and side.process.process.poll() is None
+                    aborted = (
+                        f"{side.name} {'unreachable' if alive else 'exited'} in {cell.key}: {exc}"
+                    )
+                    log(f"stopping: {aborted}")
+                    break
                 ok = f"{sum(r.ok for r in run.results)}/{len(run.results)}"
                 log(f"{cell.key:<24} {side.name:<10} {ok} ok in {run.wall_s:.1f} s")
                 runs.append(run)
-    return BenchRun(names, differences, warmup, runs, time.perf_counter() - started)
+    return BenchRun(names, differences, warmup, runs, time.perf_counter() - started, aborted)

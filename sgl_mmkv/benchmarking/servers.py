@@ -43,6 +43,7 @@ COMPARED_SETTINGS = (
     "context_length",
     "disable_radix_cache",
     "disable_overlap_schedule",
+    "sleep_on_idle",
     "disable_cuda_graph",
     "cuda_graph_max_bs",
     "enable_cache_report",
