@@ -131,7 +131,7 @@ def _cell_run(side: str, workload: str, ttfts: list[float], failed: int = 0) -> 
         RequestResult("u", workload, 2, ttft_s=t, latency_s=2 * t, prompt_tokens=100) for t in ttfts
     ]
     results += [RequestResult("x", workload, 2, error="HTTP 400: bad") for _ in range(failed)]
-    return CellRun(side, cell, results, 10.0, 0.5, {}, {})
+    return CellRun(side, cell, results, 10.0, 0.5, {})
 
 
 def test_summaries_speedup_overhead_and_verdict():

@@ -45,7 +45,6 @@ class CellRun:
     wall_s: float
     peak_token_usage: float
     refresh_delta: dict[str, float]
-    store_delta: dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +111,6 @@ def run_cell(side: Side, cell: CellSpec, max_tokens: int) -> CellRun:
         wall_s=wall,
         peak_token_usage=side.peak_token_usage(started_at, datetime.now()),
         refresh_delta=_delta(after.get("refresh", {}), before.get("refresh", {})),
-        store_delta=_delta(after.get("store", {}), before.get("store", {})),
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import requests
 
-from sgl_mmkv.testing.server import ServerProcess, stock_cpu_env
+from sgl_mmkv.testing.server import ServerProcess
 
 STOCK = "stock"
 
@@ -101,9 +101,7 @@ def build_side(
     """A not yet started server for ``name`` (``stock`` or an ``--mm-reuse`` mode)."""
     log = log_dir / f"server-{name}.log"
     if name == STOCK:
-        process = ServerProcess(
-            "sglang.launch_server", model_path, shared_args, log_path=log, env=stock_cpu_env()
-        )
+        process = ServerProcess("sglang.launch_server", model_path, shared_args, log_path=log)
     else:
         mmkv = ["--mm-reuse", name, "--mm-refresh-budget", str(refresh_budget)]
         process = ServerProcess("sgl_mmkv.launch_server", model_path, [*mmkv, *shared_args], log)

@@ -99,10 +99,11 @@ class RefreshExecutor:
         """``run_extend(forward_batch)`` is the stock eager extend; returns its output."""
         plans = plan_batch(self.store, forward_batch)
         self._drop_unsupported(forward_batch, plans)
-        self._count_full_prefill(model_runner, forward_batch)
+        full_flops = self._full_flops(model_runner, forward_batch)
+        self.counters.full_prefill_flops += full_flops
         if not any(p.spans for p in plans):
             out = run_extend(forward_batch)
-            self.counters.executed_flops += self._full_flops(forward_batch)
+            self.counters.executed_flops += full_flops
             self._fill(run_extend, model_runner, forward_batch, plans, None)
             self._report(forward_batch, plans, None, out, 0.0)
             return out
@@ -285,22 +286,25 @@ class RefreshExecutor:
     def _fill(self, run_extend, model_runner, forward_batch, plans, embeddings) -> None:
         """Store the batch's new images. ``canonical`` needs the token before the
         image in this extend; an image without it is copied as under ``first``."""
-        req_to_token = model_runner.req_to_token_pool.req_to_token
         canonical = []
         for plan in plans:
-            pool_index = forward_batch.req_pool_indices[plan.index]
             for fill in plan.fills:
                 if self.fill_policy == "canonical" and fill.start > plan.prefix_len:
                     canonical.append((plan, fill))
-                    continue
-                slots = req_to_token[pool_index, fill.start : fill.end].to(torch.long)
-                self.store.fill(fill.key, slots, fill.positions)
+                else:
+                    self._copy_fill(model_runner, forward_batch, plan, fill)
         if canonical:
             if embeddings is None:
                 embeddings = EmbeddingPass(
                     full_batch=forward_batch, stock_backend=model_runner.attn_backend
                 )
             self._fill_canonical(run_extend, model_runner, forward_batch, canonical, embeddings)
+
+    def _copy_fill(self, model_runner, forward_batch, plan, fill) -> None:
+        """Store ``fill`` from the KV the request computed for it (policy ``first``)."""
+        pool_index = forward_batch.req_pool_indices[plan.index]
+        row = model_runner.req_to_token_pool.req_to_token[pool_index]
+        self.store.fill(fill.key, row[fill.start : fill.end].to(torch.long), fill.positions)
 
     def _fill_canonical(self, run_extend, model_runner, forward_batch, fills, embeddings) -> None:
         """One pass over ``[token before the image, image tokens]`` of every fill, each
@@ -313,9 +317,7 @@ class RefreshExecutor:
         for plan, fill in fills:
             lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
             if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
-                pool_index = forward_batch.req_pool_indices[plan.index]
-                row = model_runner.req_to_token_pool.req_to_token[pool_index]
-                self.store.fill(fill.key, row[fill.start : fill.end].to(torch.long), fill.positions)
+                self._copy_fill(model_runner, forward_batch, plan, fill)
                 continue
             segment = self.store.reserve(fill.key, fill.end - fill.start, fill.positions)
             if segment is None:
@@ -362,13 +364,10 @@ class RefreshExecutor:
 
     # -- FLOPs ---------------------------------------------------------------------------
 
-    def _count_full_prefill(self, model_runner, forward_batch) -> None:
+    def _full_flops(self, model_runner, forward_batch) -> int:
+        """What the stock extend of this batch computes."""
         if self._shape is None:
             self._shape = DecoderShape.from_config(model_runner.model_config.hf_text_config)
-        self.counters.full_prefill_flops += self._full_flops(forward_batch)
-
-    def _full_flops(self, forward_batch) -> int:
-        """What the stock extend of this batch computes."""
         return sum(
             self._shape.extend_flops(int(prefix), int(prefix) + int(ext))
             for prefix, ext in zip(

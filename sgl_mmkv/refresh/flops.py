@@ -83,5 +83,10 @@ class DecoderShape:
         )
 
     def extend_flops(self, prefix_len: int, seq_len: int) -> int:
-        """Full prefill of rows ``prefix_len .. seq_len - 1`` (what stock computes)."""
-        return self.pass_flops(torch.arange(prefix_len, seq_len))
+        """Full prefill of rows ``prefix_len .. seq_len - 1`` (what stock computes);
+        equal to ``pass_flops(range(prefix_len, seq_len))``, in closed form."""
+        n = seq_len - prefix_len
+        if n <= 0:
+            return 0
+        keys = n * (prefix_len + seq_len + 1) // 2  # sum of (p + 1) over the rows
+        return self.flops(n, keys, logits_rows=1)
