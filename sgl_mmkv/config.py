@@ -32,6 +32,21 @@ SEGMENT_FILL_POLICIES: dict[str, str] = {
     "canonical": "recomputed for the image alone, after its <|vision_start|> token",
 }
 DEFAULT_SEGMENT_FILL = "first"
+# --mm-evict: how cached image segments give way under memory pressure.
+EVICTION_POLICIES: dict[str, str] = {
+    "lru": "whole segments, least recently used first (stock-like)",
+    "aircache": "compress segments to their top tokens by AirCache importance, then LRU",
+    "mmshiftkv": "compress segments to their top tokens by MM-ShiftKV votes, then LRU",
+    "snapkv": "compress segments to their top tokens by SnapKV window attention, then LRU",
+}
+DEFAULT_EVICTION = "lru"
+DEFAULT_KV_BUDGET = 0.5
+# --mm-compress-at: when a scored segment is compressed.
+COMPRESS_TRIGGERS: dict[str, str] = {
+    "pressure": "when an allocation finds the pool short (before whole segments go)",
+    "fill": "as soon as it is stored (more images in the same memory)",
+}
+DEFAULT_COMPRESS_AT = "pressure"
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
 
@@ -48,11 +63,18 @@ class MMKVConfig:
         mm_refresh_budget: fraction of reused image tokens recomputed, in [0, 1]
             (0 recomputes only the text, as ``reuse``).
         mm_segment_fill: one of :data:`SEGMENT_FILL_POLICIES`.
+        mm_evict: one of :data:`EVICTION_POLICIES`.
+        mm_kv_budget: fraction of a segment's visual tokens kept when compressing,
+            in (0, 1].
+        mm_compress_at: one of :data:`COMPRESS_TRIGGERS`.
     """
 
     mm_reuse: str = "off"
     mm_refresh_budget: float = DEFAULT_REFRESH_BUDGET
     mm_segment_fill: str = DEFAULT_SEGMENT_FILL
+    mm_evict: str = DEFAULT_EVICTION
+    mm_kv_budget: float = DEFAULT_KV_BUDGET
+    mm_compress_at: str = DEFAULT_COMPRESS_AT
 
     def __post_init__(self) -> None:
         if self.mm_reuse not in REUSE_MODES:
@@ -81,6 +103,45 @@ class MMKVConfig:
                 f"--mm-segment-fill {self.mm_segment_fill} needs a refresh mode of --mm-reuse "
                 f"(the segment store), not {self.mm_reuse}"
             )
+
+        self._check_eviction()
+
+    def _check_eviction(self) -> None:
+        if self.mm_evict not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"--mm-evict {self.mm_evict!r} is unknown; "
+                f"choose one of {', '.join(EVICTION_POLICIES)}"
+            )
+        budget = self.mm_kv_budget
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not (0.0 < budget <= 1.0)
+        ):
+            raise ConfigError(f"--mm-kv-budget must be in (0, 1], got {budget!r}")
+        if self.mm_compress_at not in COMPRESS_TRIGGERS:
+            raise ConfigError(
+                f"--mm-compress-at {self.mm_compress_at!r} is unknown; "
+                f"choose one of {', '.join(COMPRESS_TRIGGERS)}"
+            )
+        if self.mm_evict != DEFAULT_EVICTION and not self.uses_refresh:
+            raise ConfigError(
+                f"--mm-evict {self.mm_evict} compresses segments of the segment store and "
+                f"needs a refresh mode of --mm-reuse, not {self.mm_reuse}"
+            )
+        changed = (
+            self.mm_kv_budget != DEFAULT_KV_BUDGET or self.mm_compress_at != DEFAULT_COMPRESS_AT
+        )
+        if changed and not self.uses_scored_eviction:
+            raise ConfigError(
+                "--mm-kv-budget and --mm-compress-at need a scored --mm-evict "
+                f"({', '.join(p for p in EVICTION_POLICIES if p != DEFAULT_EVICTION)})"
+            )
+
+    @property
+    def uses_scored_eviction(self) -> bool:
+        """Whether segments are ranked at fill and compressed (an ``--mm-evict`` scorer)."""
+        return self.mm_evict != DEFAULT_EVICTION
 
     @property
     def uses_mmkv_cache(self) -> bool:

@@ -5,6 +5,9 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
     --mm-reuse {off,exact,conduit,...}   how image KV is reused (default: off)
     --mm-refresh-budget R                fraction of reused image tokens recomputed, [0, 1]
     --mm-segment-fill {first,canonical}  how a new image's KV enters the segment store
+    --mm-evict {lru,aircache,mmshiftkv,snapkv}  how segments give way under memory pressure
+    --mm-kv-budget R                     fraction of a segment's tokens kept when compressed
+    --mm-compress-at {pressure,fill}     when a scored segment is compressed
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
@@ -18,8 +21,13 @@ import os
 import sys
 
 from sgl_mmkv.config import (
+    COMPRESS_TRIGGERS,
+    DEFAULT_COMPRESS_AT,
+    DEFAULT_EVICTION,
+    DEFAULT_KV_BUDGET,
     DEFAULT_REFRESH_BUDGET,
     DEFAULT_SEGMENT_FILL,
+    EVICTION_POLICIES,
     IMPLEMENTED_REUSE_MODES,
     RADIX_CACHE_BACKEND_NAME,
     REUSE_MODES,
@@ -58,6 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{" + ",".join(SEGMENT_FILL_POLICIES) + "}",
         help=f"how a new image's KV enters the segment store (default %(default)s). {fills}",
     )
+    evictions = "; ".join(f"{name}: {text}" for name, text in EVICTION_POLICIES.items())
+    parser.add_argument(
+        "--mm-evict",
+        default=DEFAULT_EVICTION,
+        metavar="{" + ",".join(EVICTION_POLICIES) + "}",
+        help=f"how cached image segments give way under memory pressure "
+        f"(default %(default)s). {evictions}",
+    )
+    parser.add_argument(
+        "--mm-kv-budget",
+        type=float,
+        default=DEFAULT_KV_BUDGET,
+        metavar="R",
+        help="fraction of a segment's visual tokens kept when it is compressed, in (0, 1] "
+        "(default %(default)s)",
+    )
+    triggers = "; ".join(f"{name}: {text}" for name, text in COMPRESS_TRIGGERS.items())
+    parser.add_argument(
+        "--mm-compress-at",
+        default=DEFAULT_COMPRESS_AT,
+        metavar="{" + ",".join(COMPRESS_TRIGGERS) + "}",
+        help=f"when a scored segment is compressed (default %(default)s). {triggers}",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -87,6 +118,9 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
         mm_reuse=ours.mm_reuse,
         mm_refresh_budget=ours.mm_refresh_budget,
         mm_segment_fill=ours.mm_segment_fill,
+        mm_evict=ours.mm_evict,
+        mm_kv_budget=ours.mm_kv_budget,
+        mm_compress_at=ours.mm_compress_at,
     )
     sglang_argv = list(sglang_argv)
 

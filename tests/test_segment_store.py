@@ -133,3 +133,46 @@ def test_reserve_then_discard_returns_every_slot(store):
     assert store.allocator.available_size() == before
     store.discard((5, 6))  # discarding twice frees nothing twice
     assert store.allocator.available_size() == before
+
+
+def test_compression_keeps_the_top_ranked_tokens_and_frees_the_rest(store):
+    src = store.allocator.alloc(8)
+    ranking = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.4, 0.6])
+    segment = store.fill((3, 8), src, torch.arange(8)[None] + 10, ranking=ranking)
+    slots_before = segment.slots.clone()
+    k_before = store.kv_pool.k[1][slots_before].clone()
+    available = store.allocator.available_size()
+    assert store.compress(segment, 0.5) == 4
+    assert segment.kept.tolist() == [1, 3, 5, 7] and segment.compressed
+    assert torch.equal(segment.slots, slots_before[[1, 3, 5, 7]])
+    torch.testing.assert_close(store.kv_pool.k[1][segment.slots], k_before[[1, 3, 5, 7]])
+    assert store.allocator.available_size() == available + 4 and store.num_tokens == 4
+    assert store.compress(segment, 0.25) == 0  # compressed once only
+    assert store.counters.compressions == 1 and store.counters.compressed_tokens == 4
+    store.evict_lru(1)
+    assert store.num_tokens == 0 and store.allocator.available_size() == available + 8
+
+
+def test_compress_lru_goes_oldest_first_and_skips_unranked(store):
+    ranked = [
+        store.fill((key, 6), store.allocator.alloc(6), torch.arange(6)[None], torch.rand(6))
+        for key in range(3)
+    ]
+    unranked = store.fill((9, 6), store.allocator.alloc(6), torch.arange(6)[None])
+    store.lookup((0, 6))  # 0 becomes the most recent
+    assert store.compress_lru(4, 0.5) == 6  # segments 1 and 2, 3 slots each
+    assert [s.compressed for s in ranked] == [False, True, True]
+    assert store.compress_lru(100, 0.5) == 3 and not unranked.compressed
+    assert store.num_tokens == 3 * 3 + 6
+
+
+def test_plan_of_a_compressed_segment_reuses_only_its_kept_tokens(store):
+    mrope = torch.arange(14).repeat(3, 1)
+    segment = store.fill(
+        (11, 4), store.allocator.alloc(4), mrope[:, 3:7], torch.tensor([4.0, 1.0, 3.0, 2.0])
+    )
+    store.compress(segment, 0.5)
+    plan = plan_request(store, 0, _mm([_item(11, 3, 6)], mrope), 2, 12)
+    assert plan.reused_tokens == 2
+    assert plan.spans[0].reused_positions().tolist() == [3, 5]
+    assert plan.reused_mask().tolist() == [False, True, False, True] + [False] * 8

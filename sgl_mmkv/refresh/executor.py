@@ -24,11 +24,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
+from sgl_mmkv.eviction.observer import ObservingBackend, PrefillObserver
+from sgl_mmkv.eviction.ranker import FillRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import (
     GroupLocalAttentionBackend,
@@ -38,6 +41,7 @@ from sgl_mmkv.refresh.attention_backend import (
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
+from sgl_mmkv.refresh.row_kv import row_kv
 from sgl_mmkv.refresh.scorers import RefreshScorer, ScoringInputs
 from sgl_mmkv.refresh.sub_batch import active_sub_batch
 from sgl_mmkv.segments.store import SegmentStore
@@ -58,6 +62,7 @@ class RefreshCounters:
     executed_flops: int = 0
     full_prefill_flops: int = 0
     seconds: float = 0.0
+    ranking_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -82,15 +87,26 @@ class RefreshExecutor:
         scorer: the ``--mm-reuse`` method.
         budget: ``--mm-refresh-budget``.
         fill_policy: ``--mm-segment-fill`` (``first`` or ``canonical``).
+        ranker: ranks new segments' tokens for scored eviction (``--mm-evict``).
+        compress_on_fill: compress each ranked segment as soon as it is stored
+            (``--mm-compress-at fill``) to ``ranker.budget``.
     """
 
     def __init__(
-        self, store: SegmentStore, scorer: RefreshScorer, budget: float, fill_policy: str = "first"
+        self,
+        store: SegmentStore,
+        scorer: RefreshScorer,
+        budget: float,
+        fill_policy: str = "first",
+        ranker: FillRanker | None = None,
+        compress_on_fill: bool = False,
     ) -> None:
         self.store = store
         self.scorer = scorer
         self.budget = budget
         self.fill_policy = fill_policy
+        self.ranker = ranker
+        self.compress_on_fill = compress_on_fill
         self.counters = RefreshCounters()
         self._inv_freq: torch.Tensor | None = None
         self._shape: DecoderShape | None = None
@@ -102,9 +118,10 @@ class RefreshExecutor:
         full_flops = self._full_flops(model_runner, forward_batch)
         self.counters.full_prefill_flops += full_flops
         if not any(p.spans for p in plans):
-            out = run_extend(forward_batch)
+            observer = self.ranker.observer_for(plans) if self.ranker is not None else None
+            out = self._run_observed(run_extend, model_runner, forward_batch, observer)
             self.counters.executed_flops += full_flops
-            self._fill(run_extend, model_runner, forward_batch, plans, None)
+            self._fill(run_extend, model_runner, forward_batch, plans, None, observer, None)
             self._report(forward_batch, plans, None, out, 0.0)
             return out
         started = time.perf_counter()
@@ -120,8 +137,11 @@ class RefreshExecutor:
             mask[chosen - plan.prefix_len] = True
             mask[-1] = True
             active.append(mask)
-        out = self._run_pass(run_extend, model_runner, forward_batch, active, embeddings)
-        self._fill(run_extend, model_runner, forward_batch, plans, embeddings)
+        observer = self.ranker.observer_for(plans, active) if self.ranker is not None else None
+        out = self._run_pass(
+            run_extend, model_runner, forward_batch, active, embeddings, observer=observer
+        )
+        self._fill(run_extend, model_runner, forward_batch, plans, embeddings, observer, active)
         self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
         return out
 
@@ -136,6 +156,7 @@ class RefreshExecutor:
         embeddings,
         capture=None,
         backend=None,
+        observer: PrefillObserver | None = None,
     ):
         """Run the model on the ``active`` rows; ``backend`` defaults to attention over
         each request's whole row (:class:`RefreshAttentionBackend`)."""
@@ -152,11 +173,26 @@ class RefreshExecutor:
             backend = RefreshAttentionBackend(
                 model_runner.req_to_token_pool, model_runner.token_to_kv_pool, positions, capture
             )
+        if observer is not None:
+            backend = ObservingBackend(backend, observer)
         with (
             forward_context(ForwardContext(attn_backend=backend), forward_batch=sub),
             embedding_pass(embeddings),
+            observer.hooks(model_runner.model) if observer is not None else nullcontext(),
         ):
             return run_extend(sub)
+
+    @staticmethod
+    def _run_observed(run_extend, model_runner, forward_batch, observer):
+        """The stock extend of the whole batch, observed for eviction ranking if asked."""
+        if observer is None:
+            return run_extend(forward_batch)
+        backend = ObservingBackend(model_runner.attn_backend, observer)
+        with (
+            forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch),
+            observer.hooks(model_runner.model),
+        ):
+            return run_extend(forward_batch)
 
     def _select(self, run_extend, model_runner, forward_batch, plans, fresh, embeddings):
         """Per request, ``(k,)`` sorted row positions of the image tokens to refresh."""
@@ -191,7 +227,7 @@ class RefreshExecutor:
         """CacheBlend's signal: the whole extend recomputed once (as costly as a full
         prefill; the paper's layer-by-layer shrinking is not done), its KV compared
         with the stale KV, then the stale KV restored for the refresh pass."""
-        stale = {p.index: self._row_kv(model_runner, forward_batch, p.index) for p in plans}
+        stale = {p.index: row_kv(model_runner, forward_batch, p.index) for p in plans}
         whole = [torch.ones(p.seq_len - p.prefix_len, dtype=torch.bool) for p in plans]
         self._run_pass(run_extend, model_runner, forward_batch, whole, embeddings)
         selected = []
@@ -200,7 +236,7 @@ class RefreshExecutor:
                 selected.append(torch.empty(0, dtype=torch.long))
                 continue
             keys, values = stale[plan.index]
-            fresh_k, fresh_v = self._row_kv(model_runner, forward_batch, plan.index)
+            fresh_k, fresh_v = row_kv(model_runner, forward_batch, plan.index)
             inputs = ScoringInputs(
                 queries=(),
                 keys=keys,
@@ -225,24 +261,12 @@ class RefreshExecutor:
         tail = (positions >= last_image_end).nonzero().flatten()
         return tail if tail.numel() else torch.arange(positions.numel())
 
-    def _row_kv(self, model_runner, forward_batch, index: int):
-        """Per layer ``(seq_len, H_kv, d)`` K and V of request ``index``'s row."""
-        pool = model_runner.token_to_kv_pool
-        seq_len = int(forward_batch.seq_lens[index])
-        row = model_runner.req_to_token_pool.req_to_token[
-            forward_batch.req_pool_indices[index], :seq_len
-        ]
-        layers = range(pool.layer_num)
-        keys = tuple(pool.get_key_buffer(layer)[row].clone() for layer in layers)
-        values = tuple(pool.get_value_buffer(layer)[row].clone() for layer in layers)
-        return keys, values
-
     def _scoring_inputs(self, model_runner, forward_batch, plan, captures) -> ScoringInputs:
         spans = tuple((s.start, s.end) for s in plan.spans)
         if captures is None:
             empty = torch.empty(0, dtype=torch.long)
             return ScoringInputs((), (), (), empty, spans)
-        keys, values = self._row_kv(model_runner, forward_batch, plan.index)
+        keys, values = row_kv(model_runner, forward_batch, plan.index)
         per_layer = captures.queries[plan.index]
         fresh = ~plan.reused_mask()
         fresh[-1] = True
@@ -261,10 +285,11 @@ class RefreshExecutor:
         req_to_token = model_runner.req_to_token_pool.req_to_token
         for plan in plans:
             pool_index = forward_batch.req_pool_indices[plan.index]
+            row = req_to_token[pool_index]
             for span in plan.spans:
                 src.append(span.segment.slots)
-                dst.append(req_to_token[pool_index, span.start : span.end])
-                delta.append(torch.full((span.end - span.start,), span.delta, dtype=torch.long))
+                dst.append(row[span.reused_positions().to(row.device)])
+                delta.append(torch.full((span.num_reused,), span.delta, dtype=torch.long))
         if not src:
             return
         pool = model_runner.token_to_kv_pool
@@ -283,30 +308,61 @@ class RefreshExecutor:
                 inv_freq,
             )
 
-    def _fill(self, run_extend, model_runner, forward_batch, plans, embeddings) -> None:
-        """Store the batch's new images. ``canonical`` needs the token before the
-        image in this extend; an image without it is copied as under ``first``."""
+    def _fill(
+        self, run_extend, model_runner, forward_batch, plans, embeddings, observer, active
+    ) -> None:
+        """Store the batch's new images, ranked for eviction when ``observer`` is set.
+        ``canonical`` needs the token before the image in this extend; an image
+        without it is copied as under ``first``."""
+        rankings = self._rank_fills(model_runner, forward_batch, plans, observer, active)
         canonical = []
         for plan in plans:
             for fill in plan.fills:
                 if self.fill_policy == "canonical" and fill.start > plan.prefix_len:
                     canonical.append((plan, fill))
                 else:
-                    self._copy_fill(model_runner, forward_batch, plan, fill)
+                    self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
         if canonical:
             if embeddings is None:
                 embeddings = EmbeddingPass(
                     full_batch=forward_batch, stock_backend=model_runner.attn_backend
                 )
-            self._fill_canonical(run_extend, model_runner, forward_batch, canonical, embeddings)
+            self._fill_canonical(
+                run_extend, model_runner, forward_batch, canonical, embeddings, rankings
+            )
+        if self.compress_on_fill:
+            for key in rankings:
+                segment = self.store.peek(key)
+                if segment is not None:
+                    self.store.compress(segment, self.ranker.budget)
 
-    def _copy_fill(self, model_runner, forward_batch, plan, fill) -> None:
+    def _rank_fills(self, model_runner, forward_batch, plans, observer, active) -> dict:
+        """Content key -> ``(n,)`` eviction ranking of each new image's tokens."""
+        if observer is None:
+            return {}
+        started = time.perf_counter()
+        rankings = {}
+        for plan in plans:
+            if plan.fills and plan.index in observer.queries:
+                mask = None if active is None else active[plan.index]
+                ranked = self.ranker.rankings(observer, model_runner, forward_batch, plan, mask)
+                for fill, ranking in zip(plan.fills, ranked, strict=True):
+                    rankings[fill.key] = ranking
+        self.counters.ranking_seconds += time.perf_counter() - started
+        return rankings
+
+    def _copy_fill(self, model_runner, forward_batch, plan, fill, rankings=None) -> None:
         """Store ``fill`` from the KV the request computed for it (policy ``first``)."""
         pool_index = forward_batch.req_pool_indices[plan.index]
         row = model_runner.req_to_token_pool.req_to_token[pool_index]
-        self.store.fill(fill.key, row[fill.start : fill.end].to(torch.long), fill.positions)
+        ranking = (rankings or {}).get(fill.key)
+        self.store.fill(
+            fill.key, row[fill.start : fill.end].to(torch.long), fill.positions, ranking
+        )
 
-    def _fill_canonical(self, run_extend, model_runner, forward_batch, fills, embeddings) -> None:
+    def _fill_canonical(
+        self, run_extend, model_runner, forward_batch, fills, embeddings, rankings
+    ) -> None:
         """One pass over ``[token before the image, image tokens]`` of every fill, each
         group attending to itself only, at the request's positions; the image rows'
         KV goes straight into fresh store slots. The request's own KV is untouched."""
@@ -317,9 +373,11 @@ class RefreshExecutor:
         for plan, fill in fills:
             lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
             if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
-                self._copy_fill(model_runner, forward_batch, plan, fill)
+                self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
                 continue
-            segment = self.store.reserve(fill.key, fill.end - fill.start, fill.positions)
+            segment = self.store.reserve(
+                fill.key, fill.end - fill.start, fill.positions, rankings.get(fill.key)
+            )
             if segment is None:
                 continue
             reserved.append(fill.key)

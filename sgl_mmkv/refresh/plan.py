@@ -20,12 +20,24 @@ from sgl_mmkv.segments.store import Segment, SegmentKey, SegmentStore
 
 @dataclass(frozen=True, slots=True)
 class ReuseSpan:
-    """Row positions ``[start, end)`` filled from ``segment``, shifted by ``delta``."""
+    """Row positions ``[start, end)`` filled from ``segment``, shifted by ``delta``.
+
+    A compressed segment fills only its kept tokens (:meth:`reused_positions`); the
+    others are computed fresh like text.
+    """
 
     start: int
     end: int
     segment: Segment
     delta: int
+
+    def reused_positions(self) -> torch.Tensor:
+        """``(m,)`` int64 row positions served from the segment."""
+        return self.segment.kept_indices() + self.start
+
+    @property
+    def num_reused(self) -> int:
+        return self.segment.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +59,23 @@ class RequestPlan:
     seq_len: int
     spans: list[ReuseSpan] = field(default_factory=list)
     fills: list[FillCandidate] = field(default_factory=list)
+    visual: torch.Tensor | None = None  # (extend_len,) bool: image tokens of the extend
+
+    def text_mask(self) -> torch.Tensor:
+        """``(extend_len,)`` bool: True for the extend's non-image tokens."""
+        if self.visual is None:
+            return torch.ones(self.seq_len - self.prefix_len, dtype=torch.bool)
+        return ~self.visual
 
     @property
     def reused_tokens(self) -> int:
-        return sum(s.end - s.start for s in self.spans)
+        return sum(s.num_reused for s in self.spans)
 
     def reused_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True where the extend token comes from a segment."""
         mask = torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
         for s in self.spans:
-            mask[s.start - self.prefix_len : s.end - self.prefix_len] = True
+            mask[s.reused_positions() - self.prefix_len] = True
         return mask
 
 
@@ -92,11 +111,17 @@ def plan_request(
     """The reuse plan of one request of an extend batch."""
     seq_len = prefix_len + extend_len
     plan = RequestPlan(index, prefix_len, seq_len)
+    plan.visual = torch.zeros(extend_len, dtype=torch.bool)
     for item in getattr(mm_inputs, "mm_items", None) or []:
         span = item_span(item)
-        if span is None or span[1] > seq_len:
+        if span is None:
             continue
         start, end = span
+        lo, hi = max(start, prefix_len), min(end, seq_len)
+        if lo < hi:
+            plan.visual[lo - prefix_len : hi - prefix_len] = True
+        if end > seq_len:
+            continue
         key: SegmentKey = (int(item.hash), end - start)
         positions = row_positions(mm_inputs, start, end)
         if start >= prefix_len:

@@ -13,6 +13,7 @@ cannot cover an allocation; ``reset`` (``flush_cache``) drops them with the pool
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -86,11 +87,19 @@ class MMKVRadixCache(UnifiedRadixCache):
             )
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool)
+        ranker = None
+        if config.uses_scored_eviction:
+            from sgl_mmkv.eviction.ranker import FillRanker
+            from sgl_mmkv.eviction.scorers import make_eviction_scorer
+
+            ranker = FillRanker(make_eviction_scorer(config.mm_evict), config.mm_kv_budget)
         self.refresh_executor = RefreshExecutor(
             self.segment_store,
             make_scorer(config.mm_reuse),
             config.mm_refresh_budget,
             fill_policy=config.mm_segment_fill,
+            ranker=ranker,
+            compress_on_fill=config.mm_compress_at == "fill",
         )
         set_active_executor(self.refresh_executor)
 
@@ -105,24 +114,29 @@ class MMKVRadixCache(UnifiedRadixCache):
         return super().full_evictable_size() + store
 
     def evict_for_alloc(self, params: EvictParams, **kwargs) -> EvictResult:
-        """Stock eviction of tree leaves, then LRU segments for what is still short."""
-        if self.segment_store is None:
-            return super().evict_for_alloc(params, **kwargs)
-        target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
-        result = super().evict_for_alloc(params, **kwargs)
-        shortfall = target - self.token_to_kv_pool_allocator.available_size()
-        if shortfall > 0:
-            result.num_tokens_evicted += self.segment_store.evict_lru(shortfall)
-        return result
+        """Room for ``params.num_tokens`` slots: see :meth:`_evict_with_segments`."""
+        return self._evict_with_segments(super().evict_for_alloc, params, **kwargs)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        if self.segment_store is None:
-            return super().evict(params)
-        target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
-        result = super().evict(params)
-        shortfall = target - self.token_to_kv_pool_allocator.available_size()
+        return self._evict_with_segments(super().evict, params)
+
+    def _evict_with_segments(self, stock_evict, params: EvictParams, **kwargs) -> EvictResult:
+        """Compress scored segments (``--mm-evict`` scorer), then stock eviction of
+        tree leaves, then LRU segments for what is still short."""
+        store = self.segment_store
+        if store is None:
+            return stock_evict(params, **kwargs)
+        allocator = self.token_to_kv_pool_allocator
+        target = allocator.available_size() + params.num_tokens
+        compressed = 0
+        if self.mmkv_config.uses_scored_eviction and params.num_tokens > 0:
+            compressed = store.compress_lru(params.num_tokens, self.mmkv_config.mm_kv_budget)
+        remaining = max(0, target - allocator.available_size())
+        result = stock_evict(dataclasses.replace(params, num_tokens=remaining), **kwargs)
+        result.num_tokens_evicted += compressed
+        shortfall = target - allocator.available_size()
         if shortfall > 0:
-            result.num_tokens_evicted += self.segment_store.evict_lru(shortfall)
+            result.num_tokens_evicted += store.evict_lru(shortfall)
         return result
 
     def reset(self) -> None:
@@ -136,6 +150,8 @@ class MMKVRadixCache(UnifiedRadixCache):
         stats = {
             "mode": self.mmkv_config.mm_reuse,
             "refresh_budget": self.mmkv_config.mm_refresh_budget,
+            "evict": self.mmkv_config.mm_evict,
+            "kv_budget": self.mmkv_config.mm_kv_budget,
             "segments": self.segment_index.counters.as_dict(),
         }
         if self.segment_store is not None:

@@ -8,7 +8,10 @@ be evicted at any time, also while a request that copied it is still decoding.
 
 The store's tokens count as evictable in SGLang's admission accounting (the radix
 cache adds :attr:`SegmentStore.num_tokens` to ``evictable_size``) and are freed
-by :meth:`SegmentStore.evict_lru` when the allocator runs short.
+by :meth:`SegmentStore.evict_lru` when the allocator runs short. With an
+eviction scorer (``--mm-evict``) segments are first *compressed*
+(:meth:`SegmentStore.compress_lru`): each keeps its top ``--mm-kv-budget`` tokens
+by the ranking computed when it was filled, and frees the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
+
+from sgl_mmkv.refresh.scorers.base import budget_count
 
 logger = logging.getLogger(__name__)
 
@@ -30,20 +35,38 @@ class Segment:
 
     Attributes:
         key: content key.
-        slots: ``(n,)`` int64 KV slots owned by the store.
+        slots: ``(m,)`` int64 KV slots owned by the store, one per kept token.
         positions: ``(P, n)`` int64 rotary positions the KV was computed at
-            (``P = 3`` for M-RoPE: t, h, w; ``P = 1`` for 1-D RoPE).
+            (``P = 3`` for M-RoPE: t, h, w; ``P = 1`` for 1-D RoPE), every token.
         alive: False once evicted; a plan holding it falls back to recompute.
+        ranking: optional ``(n,)`` float32 eviction-scorer ranking (higher: keep).
+        kept: ``(m,)`` int64 sorted indices of the image tokens whose KV is held;
+            ``None`` while the segment is whole (``m = n``).
     """
 
     key: SegmentKey
     slots: torch.Tensor
     positions: torch.Tensor
     alive: bool = True
+    ranking: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Slots held."""
         return int(self.slots.numel())
+
+    @property
+    def image_tokens(self) -> int:
+        return int(self.positions.shape[1])
+
+    @property
+    def compressed(self) -> bool:
+        return self.kept is not None
+
+    def kept_indices(self) -> torch.Tensor:
+        """``(m,)`` int64 indices of the image tokens whose KV the segment holds."""
+        return torch.arange(self.image_tokens) if self.kept is None else self.kept
 
 
 @dataclass(slots=True)
@@ -54,9 +77,12 @@ class StoreCounters:
     hits: int = 0
     misses: int = 0
     fills: int = 0
+    ranked_fills: int = 0
     fill_skipped: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
+    compressions: int = 0
+    compressed_tokens: int = 0
     flushed: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -102,19 +128,30 @@ class SegmentStore:
         self.counters.hits += 1
         return segment
 
-    def fill(self, key: SegmentKey, src_slots: torch.Tensor, positions: torch.Tensor) -> bool:
+    def peek(self, key: SegmentKey) -> Segment | None:
+        """The segment for ``key`` without counting a lookup or touching the LRU order."""
+        return self._segments.get(key)
+
+    def fill(
+        self,
+        key: SegmentKey,
+        src_slots: torch.Tensor,
+        positions: torch.Tensor,
+        ranking: torch.Tensor | None = None,
+    ) -> Segment | None:
         """Copy every layer's KV at ``src_slots`` into fresh store slots.
 
         Args:
             src_slots: ``(n,)`` int64 slots of a request row holding the image's KV.
             positions: ``(P, n)`` positions that KV was computed at.
+            ranking: optional ``(n,)`` eviction ranking of the tokens.
         Returns:
-            True if stored; False if already present or the pool had no free slots
+            The new segment; None if already present or the pool had no free slots
             (filling never evicts: it runs inside a forward).
         """
-        segment = self.reserve(key, int(src_slots.numel()), positions)
+        segment = self.reserve(key, int(src_slots.numel()), positions, ranking)
         if segment is None:
-            return False
+            return None
         slots = segment.slots
         src = src_slots.to(slots.device)
         for layer in range(self.kv_pool.layer_num):
@@ -122,9 +159,15 @@ class SegmentStore:
             v = self.kv_pool.get_value_buffer(layer)
             k[slots] = k[src]
             v[slots] = v[src]
-        return True
+        return segment
 
-    def reserve(self, key: SegmentKey, n: int, positions: torch.Tensor) -> Segment | None:
+    def reserve(
+        self,
+        key: SegmentKey,
+        n: int,
+        positions: torch.Tensor,
+        ranking: torch.Tensor | None = None,
+    ) -> Segment | None:
         """A new segment of ``n`` fresh slots whose KV the caller writes (canonical fill).
 
         Returns None if ``key`` is present or the pool has no ``n`` free slots.
@@ -138,7 +181,10 @@ class SegmentStore:
         if slots is None:
             self.counters.fill_skipped += 1
             return None
-        segment = Segment(key, slots, positions.to("cpu", torch.long).clone())
+        if ranking is not None:
+            ranking = ranking.to("cpu", torch.float32).clone()
+            self.counters.ranked_fills += 1
+        segment = Segment(key, slots, positions.to("cpu", torch.long).clone(), ranking=ranking)
         self._segments[key] = segment
         self._num_tokens += n
         self.counters.fills += 1
@@ -150,6 +196,7 @@ class SegmentStore:
         if segment is not None:
             self._release(segment, free_slots=True)
             self.counters.fills -= 1
+            self.counters.ranked_fills -= segment.ranking is not None
 
     def evict_lru(self, num_tokens: int) -> int:
         """Free least recently used segments until ``num_tokens`` slots are freed
@@ -160,6 +207,38 @@ class SegmentStore:
             freed += self._release(segment, free_slots=True)
             self.counters.evictions += 1
             self.counters.evicted_tokens += segment.num_tokens
+        return freed
+
+    def compress(self, segment: Segment, budget: float) -> int:
+        """Keep the top ``ceil(budget * n)`` tokens of ``segment`` by its ranking and
+        free the other slots. Returns the slots freed (0 for a segment already
+        compressed or without a ranking)."""
+        if segment.compressed or segment.ranking is None or not segment.alive:
+            return 0
+        n = segment.image_tokens
+        k = budget_count(budget, n)
+        if k >= n:
+            return 0
+        keep = torch.topk(segment.ranking, k, sorted=False).indices.sort().values
+        dropped = torch.ones(n, dtype=torch.bool)
+        dropped[keep] = False
+        self.allocator.free(segment.slots[dropped.to(segment.slots.device)])
+        segment.slots = segment.slots[keep.to(segment.slots.device)]
+        segment.kept = keep
+        freed = int(dropped.sum())
+        self._num_tokens -= freed
+        self.counters.compressions += 1
+        self.counters.compressed_tokens += freed
+        return freed
+
+    def compress_lru(self, num_tokens: int, budget: float) -> int:
+        """Compress least recently used segments until ``num_tokens`` slots are freed
+        or none is left to compress. Returns the slots freed."""
+        freed = 0
+        for segment in list(self._segments.values()):
+            if freed >= num_tokens:
+                break
+            freed += self.compress(segment, budget)
         return freed
 
     def clear(self, free_slots: bool) -> None:

@@ -1,4 +1,8 @@
-"""One interface for every refresh scorer: ``score()`` per visual token, shared top-k.
+"""One interface for every token scorer: ``score()`` per visual token, shared top-k.
+
+Refresh scorers rank reused image tokens by how much recomputing them is worth;
+eviction scorers (``sgl_mmkv.eviction``) rank cached image tokens by how much
+keeping them is worth. Both are :class:`RefreshScorer` s.
 
 A scorer sees what the scoring pass of a reuse plan produces (queries of the
 query span, the row's re-positioned K and V per layer) and returns one score per
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,6 +34,12 @@ class ScoringInputs:
         image_spans: ``[(start, end), ...]`` row ranges of the reused images, in order.
         fresh_keys, fresh_values: optional, per scored layer ``(n, H_kv, d)``, the
             row recomputed in full at that layer (CacheBlend's deviation signal).
+        hidden_stats: optional, per scored layer ``(mean, std, hidden_size)``: global
+            scalar mean and std of the attention input (after ``input_layernorm``)
+            over the request's prompt tokens, and its width.
+        project_queries: optional ``f(layer, x, positions) -> (S, H_q, d)``: the
+            layer's ``q_proj`` of ``x`` ``(S, D)`` with RoPE at text positions
+            ``positions`` ``(S,)`` (MM-ShiftKV's query proxies).
     """
 
     queries: tuple[torch.Tensor, ...]
@@ -38,6 +49,8 @@ class ScoringInputs:
     image_spans: tuple[tuple[int, int], ...]
     fresh_keys: tuple[torch.Tensor, ...] | None = None
     fresh_values: tuple[torch.Tensor, ...] | None = None
+    hidden_stats: tuple[tuple[float, float, int], ...] | None = None
+    project_queries: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def visual_positions(self) -> torch.Tensor:
@@ -76,10 +89,16 @@ class RefreshScorer(ABC):
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         """``(N_v,)`` float scores in :attr:`ScoringInputs.visual_positions` order."""
 
+    def ranking(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
+        """``(N_v,)`` scores whose top-k is the selection at ``budget``; the plain
+        scores unless the method's rule depends on the budget (AirCache's layer
+        budgets)."""
+        return self.score(inputs)
+
     def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
-        """Sorted ``(k,)`` row positions to refresh: one global top-k of the scores."""
+        """Sorted ``(k,)`` row positions chosen: one global top-k of the ranking."""
         k = budget_count(budget, inputs.num_visual)
-        scores = self.score(inputs)
+        scores = self.ranking(inputs, budget)
         if scores.shape != (inputs.num_visual,):
             raise ValueError(
                 f"{self.name}: {tuple(scores.shape)} scores for {inputs.num_visual} tokens"

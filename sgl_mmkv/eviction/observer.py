@@ -1,0 +1,123 @@
+"""What an eviction scorer needs from a prefill, taken while the forward runs.
+
+:class:`PrefillObserver` keeps, per layer and per observed request, the queries
+of chosen rows (RoPE applied, as the attention backend receives them) and the
+global mean / std of the attention input (after ``input_layernorm``). It wraps
+whichever attention backend runs the pass (:class:`ObservingBackend`) and puts
+forward pre-hooks on the decoder's attention modules, so the stock extend and
+the refresh passes are observed alike. :class:`QueryProjector` computes a layer's
+queries for arbitrary inputs with the model's own ``qkv_proj`` and RoPE
+(MM-ShiftKV's proxies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+
+
+def decoder_attention_modules(model) -> list[torch.nn.Module]:
+    """The decoder's attention modules (``qkv_proj``, ``rotary_emb``, ``attn``), by layer."""
+    modules = {}
+    for module in model.modules():
+        attn = getattr(module, "attn", None)
+        if isinstance(attn, RadixAttention) and hasattr(module, "qkv_proj"):
+            modules[attn.layer_id] = module
+    if not modules:
+        raise NotImplementedError(f"{type(model).__name__}: no decoder attention modules found")
+    return [modules[i] for i in sorted(modules)]
+
+
+@dataclass
+class PrefillObserver:
+    """Observations of one pass, for the requests in ``rows``.
+
+    Attributes:
+        rows: request index in the pass -> ``(m,)`` int64 rows within that
+            request's tokens of the pass whose queries are kept.
+        queries: request -> layer -> ``(m, H_q, d)``.
+        hidden_stats: request -> layer -> ``(mean, std, hidden_size)`` of the
+            request's attention input in the pass.
+    """
+
+    rows: dict[int, torch.Tensor]
+    queries: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    hidden_stats: dict[int, dict[int, tuple[float, float, int]]] = field(default_factory=dict)
+
+    def _spans(self, forward_batch) -> Iterator[tuple[int, int]]:
+        """``(request, first token of the request in the pass)`` of the observed ones."""
+        start = 0
+        for i, n in enumerate(forward_batch.extend_seq_lens_cpu):
+            if i in self.rows:
+                yield i, start
+            start += int(n)
+
+    def observe_queries(self, q: torch.Tensor, layer, forward_batch) -> None:
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        for i, start in self._spans(forward_batch):
+            rows = self.rows[i].to(q.device) + start
+            self.queries.setdefault(i, {})[layer.layer_id] = q_[rows].detach().float().cpu()
+
+    def observe_hidden(self, layer_id: int, hidden: torch.Tensor, forward_batch) -> None:
+        counts = forward_batch.extend_seq_lens_cpu
+        for i, start in self._spans(forward_batch):
+            x = hidden[start : start + int(counts[i])].float()
+            stats = (float(x.mean()), float(x.std()), int(x.shape[-1]))
+            self.hidden_stats.setdefault(i, {})[layer_id] = stats
+
+    @contextmanager
+    def hooks(self, model) -> Iterator[None]:
+        """Forward pre-hooks on the decoder's attention modules while the pass runs."""
+        handles = []
+        for module in decoder_attention_modules(model):
+            layer_id = module.attn.layer_id
+
+            def hook(_module, args, kwargs, layer_id=layer_id):
+                hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+                batch = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+                if hidden is not None and batch is not None:
+                    self.observe_hidden(layer_id, hidden, batch)
+
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class ObservingBackend:
+    """An attention backend that hands each layer's queries to an observer, then
+    runs ``inner`` unchanged (everything else is ``inner``'s)."""
+
+    def __init__(self, inner, observer: PrefillObserver) -> None:
+        self._inner = inner
+        self._observer = observer
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        self._observer.observe_queries(q, layer, forward_batch)
+        return self._inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class QueryProjector:
+    """``project(layer, x, positions) -> (S, H_q, d)``: the layer's ``q_proj`` of
+    ``x`` ``(S, D)``, RoPE at text positions ``positions`` ``(S,)`` (for M-RoPE
+    models all three sections share the text position)."""
+
+    def __init__(self, model) -> None:
+        self.modules = decoder_attention_modules(model)
+
+    def __call__(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        module = self.modules[layer]
+        weight = module.qkv_proj.weight
+        qkv, _ = module.qkv_proj(x.to(weight.device, weight.dtype))
+        q, k, _ = qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+        q, _ = module.rotary_emb(positions.to(weight.device), q.contiguous(), k.contiguous())
+        return q.reshape(x.shape[0], module.num_heads, module.head_dim).float().cpu()

@@ -1,0 +1,140 @@
+"""Scored eviction on real servers (tiny M-RoPE VLM, 16 tokens per image).
+
+- ``--mm-kv-budget 1.0`` (compressing keeps every token) answers exactly as the
+  server without scored eviction, while its segments are ranked.
+- A compressed segment (``--mm-compress-at fill``) is reused for its kept tokens
+  only; the rest is recomputed and the request is answered.
+- Memory pressure (more distinct images than the pool holds) compresses segments
+  before whole ones go; every request is answered and the slot ledger is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+import requests
+
+from sgl_mmkv.testing.images import make_image, user_message
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+
+TOKENS_PER_IMAGE = 16
+
+
+def _server_args(pool_tokens: int, *extra: str) -> list[str]:
+    args = list(CPU_SERVER_ARGS)
+    args[args.index("--max-total-tokens") + 1] = str(pool_tokens)
+    return [*args, "--mm-reuse", "conduit", *extra]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_vlm, tmp_path_factory):
+    """name -> running server; started one after the other, all stopped at the end."""
+    logs = tmp_path_factory.mktemp("logs")
+    configs = {
+        "lru": _server_args(2048),
+        "aircache_full": _server_args(
+            2048, "--mm-evict", "aircache", "--mm-kv-budget", "1.0", "--mm-compress-at", "fill"
+        ),
+        "snapkv_fill": _server_args(
+            2048, "--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "fill"
+        ),
+        "mmshiftkv_pressure": _server_args(480, "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.25"),
+    }
+    running = {}
+    try:
+        for name, args in configs.items():
+            proc = ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name)
+            running[name] = proc.start()
+        yield running
+    finally:
+        for proc in running.values():
+            proc.stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _stats(server) -> dict:
+    info = requests.get(server.base_url + "/get_server_info", timeout=30).json()
+    return info["internal_states"][0]["sgl_mmkv"]
+
+
+def _chat(server, system: str, images: list, max_tokens: int = 6):
+    r = _client(server).chat.completions.create(
+        model="default",
+        messages=[{"role": "system", "content": system}, user_message("Describe.", images)],
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    first = r.choices[0].logprobs.content[0]
+    return r.choices[0].message.content, {t.token: t.logprob for t in first.top_logprobs}
+
+
+def _delta(after: dict, before: dict, group: str, name: str) -> float:
+    return after[group][name] - before[group][name]
+
+
+def test_budget_one_answers_as_the_uncompressed_server(servers):
+    images = [make_image(300 + i) for i in range(3)]
+    results = {}
+    for name in ("lru", "aircache_full"):
+        server = servers[name]
+        _chat(server, "You are a helpful assistant.", images)
+        before = _stats(server)
+        results[name] = _chat(server, "Answer in one word.", images[::-1])
+        after = _stats(server)
+        assert _delta(after, before, "refresh", "reused_tokens") == 3 * TOKENS_PER_IMAGE
+    ranked = _stats(servers["aircache_full"])
+    assert ranked["store"]["ranked_fills"] == ranked["store"]["fills"] >= 3
+    assert ranked["store"]["compressions"] == 0  # budget 1.0 keeps every token
+    text, logprobs = results["aircache_full"]
+    assert text == results["lru"][0]
+    for token, value in results["lru"][1].items():
+        assert abs(logprobs[token] - value) < 1e-4
+
+
+def test_a_compressed_segment_is_reused_for_its_kept_tokens(servers):
+    server = servers["snapkv_fill"]
+    images = [make_image(400), make_image(401)]
+    before = _stats(server)
+    _chat(server, "You are a helpful assistant.", images)
+    filled = _stats(server)
+    kept = math.ceil(0.5 * TOKENS_PER_IMAGE)
+    assert _delta(filled, before, "store", "compressions") == 2
+    assert _delta(filled, before, "store", "compressed_tokens") == 2 * (TOKENS_PER_IMAGE - kept)
+    assert _delta(filled, before, "store", "tokens") == 2 * kept
+    text, _ = _chat(server, "Answer in one word.", images[::-1])
+    after = _stats(server)
+    assert text
+    assert _delta(after, filled, "store", "hits") == 2
+    assert _delta(after, filled, "refresh", "reused_tokens") == 2 * kept
+    ledger = after["pool"]
+    assert ledger["free_unique"] and ledger["in_use"] == 0
+
+
+def test_memory_pressure_compresses_before_evicting_and_answers_everything(servers):
+    server = servers["mmshiftkv_pressure"]
+    requests.post(server.base_url + "/flush_cache", timeout=30)
+    start = _stats(server)["pool"]
+    assert start["available"] == start["size"]
+    for i in range(12):  # 36 distinct images, 576 image tokens: more than the pool
+        images = [make_image(500 + 3 * i + j) for j in range(3)]
+        text, _ = _chat(server, f"Request {i}.", images, max_tokens=4)
+        assert isinstance(text, str)
+    stats = _stats(server)
+    store = stats["store"]
+    freed_per_segment = TOKENS_PER_IMAGE - math.ceil(0.25 * TOKENS_PER_IMAGE)
+    assert store["compressions"] > 0
+    assert store["compressed_tokens"] == store["compressions"] * freed_per_segment
+    assert store["ranked_fills"] == store["fills"] > 0
+    ledger = stats["pool"]
+    assert ledger["free_unique"] and ledger["in_use"] == 0
+    assert ledger["available"] + ledger["tree"] + ledger["store"] == ledger["size"]
+    requests.post(server.base_url + "/flush_cache", timeout=30)
+    end = _stats(server)["pool"]
+    assert end["available"] == start["available"] and end["store"] == 0
