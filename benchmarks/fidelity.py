@@ -42,6 +42,23 @@ BUDGETED_MODES: tuple[str, ...] = ("conduit", "prophetkv", "first", "cacheblend"
 UNBUDGETED_REFRESH: dict[str, float] = {"reuse": 0.0, "full": 1.0}
 
 
+def eviction_server_for(
+    evict: str, kv_budget: float, model: Path, log_dir: Path, refresh_budget: float
+) -> ServerProcess:
+    """A ``conduit`` server whose segments are compressed to ``kv_budget`` as soon
+    as they are stored: every probe reuses compressed segments."""
+    extra = [
+        *("--mm-reuse", "conduit", "--mm-refresh-budget", str(refresh_budget)),
+        *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "fill"),
+    ]
+    return ServerProcess(
+        "sgl_mmkv.launch_server",
+        model,
+        [*extra, *CPU_SERVER_ARGS],
+        log_path=log_dir / f"evict_{evict}_{kv_budget}.log",
+    )
+
+
 def server_for(
     mode: str, model: Path, budget: float | None, log_dir: Path, segment_fill: str = "first"
 ) -> ServerProcess:
@@ -82,16 +99,20 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
         ends = {s.mode: s for s in rows if s.mode in UNBUDGETED_REFRESH}
         for i, mode in enumerate(dict.fromkeys(s.mode for s in rows)):
             mine = [s for s in rows if s.mode == mode]
-            if mode in BUDGETED_MODES:
+            if mode in BUDGETED_MODES or mode.startswith("kv:"):
                 points = [(s.budget, s.relative_accuracy) for s in mine]
-                points += [(UNBUDGETED_REFRESH[m], e.relative_accuracy) for m, e in ends.items()]
+                if mode in BUDGETED_MODES:
+                    points += [
+                        (UNBUDGETED_REFRESH[m], e.relative_accuracy) for m, e in ends.items()
+                    ]
                 xs, ys = zip(*sorted(points), strict=True)
-                ax.plot(xs, ys, marker="o", color=f"C{i}", label=mode)
+                style = "--" if mode.startswith("kv:") else "-"
+                ax.plot(xs, ys, marker="o", linestyle=style, color=f"C{i}", label=mode)
             elif mode not in UNBUDGETED_REFRESH:
                 ax.axhline(mine[0].relative_accuracy, linestyle=":", color=f"C{i}", label=f"{mode}")
         ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
         ax.set_title(scenario)
-        ax.set_xlabel("refresh budget")
+        ax.set_xlabel("refresh budget (kv: lines: kept fraction of each segment)")
         ax.set_ylabel("accuracy / full-prefill accuracy")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.1)
@@ -112,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(SEGMENT_FILL_POLICIES),
         default="first",
         help="--mm-segment-fill of the refresh-mode servers",
+    )
+    parser.add_argument(
+        "--evict-modes",
+        default="",
+        help="eviction scorers (e.g. aircache,mmshiftkv,snapkv): a conduit server per scorer "
+        "and --kv-budgets value whose segments are compressed when stored",
+    )
+    parser.add_argument("--kv-budgets", default="0.05,0.1,0.2,0.5")
+    parser.add_argument(
+        "--evict-refresh-budget", type=float, default=0.1, help="refresh budget of those servers"
     )
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/fidelity"))
     args = parser.parse_args(argv)
@@ -139,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
                 records[label] = measure(client, layout, examples, scenarios)
             summaries += summarise(mode, records[label], budget)
             print(f"[fidelity] {label}: {len(records[label])} probes", flush=True)
+    for evict in [m for m in args.evict_modes.split(",") if m]:
+        for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
+            label = f"evict:{evict}@{kv_budget}"
+            server = eviction_server_for(
+                evict, kv_budget, args.model_path, args.out_dir, args.evict_refresh_budget
+            )
+            with server:
+                client = FidelityClient(server.base_url)
+                records[label] = measure(client, layout, examples, scenarios)
+            summaries += summarise(f"kv:{evict}", records[label], kv_budget)
+            print(f"[fidelity] {label}: {len(records[label])} probes", flush=True)
 
     table = format_table(summaries)
     print(table)
@@ -148,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_path": str(args.model_path),
         "num_examples": args.num_examples,
         "segment_fill": args.segment_fill,
+        "evict_refresh_budget": args.evict_refresh_budget,
         "seconds": round(time.monotonic() - started, 1),
         **to_json(summaries, records),
     }

@@ -138,7 +138,9 @@ def test_aircache_importance_matches_loop_reference():
                 )
                 importance += row[: len(visual)] / (len(elite) * h_q)
         expected.append(importance)
-    torch.testing.assert_close(s.layer_importance(inputs), torch.stack(expected), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        s.layer_importance(inputs), torch.stack(expected), atol=1e-6, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -184,18 +186,26 @@ def test_mmshiftkv_votes_match_loop_reference():
     expected_last = torch.zeros(h_kv, last)
     for kh in range(h_kv):
         heads = range(kh * group, (kh + 1) * group)
-        real = sum(
-            causal_softmax_row(q[-1, h], k[:last, kh], last, torch.arange(last), d**-0.5)
-            for h in heads
-        ) / group
+        real = (
+            sum(
+                causal_softmax_row(q[-1, h], k[:last, kh], last, torch.arange(last), d**-0.5)
+                for h in heads
+            )
+            / group
+        )
         expected_last[kh] = real
         for g in range(4):
             total = real.clone()
             for sample in range(g * 4, (g + 1) * 4):
-                total += sum(
-                    causal_softmax_row(proxies[sample, h], k[:last, kh], 10**9, torch.arange(last), d**-0.5)
-                    for h in heads
-                ) / group
+                total += (
+                    sum(
+                        causal_softmax_row(
+                            proxies[sample, h], k[:last, kh], 10**9, torch.arange(last), d**-0.5
+                        )
+                        for h in heads
+                    )
+                    / group
+                )
             total /= 5
             order = torch.argsort(total, descending=True)
             mass = 0.0
@@ -211,6 +221,8 @@ def test_mmshiftkv_votes_match_loop_reference():
 
 def test_mmshiftkv_needs_hidden_statistics():
     inputs = make_inputs()
-    bare = ScoringInputs(inputs.queries, inputs.keys, inputs.values, inputs.query_positions, inputs.image_spans)
+    bare = ScoringInputs(
+        inputs.queries, inputs.keys, inputs.values, inputs.query_positions, inputs.image_spans
+    )
     with pytest.raises(ValueError, match="mmshiftkv needs"):
         MMShiftKVScorer().score(bare)

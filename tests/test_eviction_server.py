@@ -40,7 +40,9 @@ def servers(tiny_vlm, tmp_path_factory):
         "snapkv_fill": _server_args(
             2048, "--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "fill"
         ),
-        "mmshiftkv_pressure": _server_args(480, "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.25"),
+        "mmshiftkv_pressure": _server_args(
+            480, "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.25"
+        ),
     }
     running = {}
     try:

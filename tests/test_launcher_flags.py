@@ -48,11 +48,43 @@ def test_budget_is_parsed():
             "cannot be combined with --radix-cache-backend flexkv",
         ),
         (["--mm-reuse", "exact", "--disable-radix-cache"], "needs the radix cache"),
+        (["--mm-reuse", "conduit", "--mm-evict", "h2o"], "--mm-evict 'h2o' is unknown"),
+        (["--mm-reuse", "exact", "--mm-evict", "snapkv"], "needs a refresh mode"),
+        (
+            ["--mm-reuse", "conduit", "--mm-evict", "snapkv", "--mm-kv-budget", "0"],
+            r"--mm-kv-budget must be in \(0, 1\], got 0.0",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-evict", "snapkv", "--mm-kv-budget", "1.5"],
+            r"--mm-kv-budget must be in \(0, 1\], got 1.5",
+        ),
+        (["--mm-reuse", "conduit", "--mm-kv-budget", "0.2"], "need a scored --mm-evict"),
+        (
+            ["--mm-reuse", "conduit", "--mm-evict", "aircache", "--mm-compress-at", "now"],
+            "--mm-compress-at 'now' is unknown",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-evict", "aircache", "--page-size", "4"],
+            "needs --page-size 1",
+        ),
     ],
 )
 def test_bad_flags_raise_config_error(argv, message):
     with pytest.raises(ConfigError, match=message):
         resolve_args(argv)
+
+
+def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
+    from sgl_mmkv.config import EVICTION_POLICIES
+    from sgl_mmkv.eviction.scorers import EVICTION_SCORERS
+
+    assert set(EVICTION_POLICIES) == {"lru", *EVICTION_SCORERS}
+    config, _ = resolve_args(
+        ["--mm-reuse", "conduit", "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.1"]
+    )
+    assert config.mm_evict == "mmshiftkv" and config.mm_kv_budget == 0.1
+    assert config.uses_scored_eviction and config.mm_compress_at == "pressure"
+    assert not resolve_args(["--mm-reuse", "conduit"])[0].uses_scored_eviction
 
 
 def test_plugin_allow_list_must_include_us(monkeypatch):

@@ -323,7 +323,7 @@ class PromptLayout:
 
 def format_table(summaries: list[ScenarioSummary]) -> str:
     header = (
-        f"{'mode':<10} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
+        f"{'mode':<13} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
         f"{'rel acc':>7} {'1st agree':>9} {'KL':>8} {'prompt':>7} {'cached':>7} "
         f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
     )
@@ -331,7 +331,7 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
     for s in summaries:
         budget = "-" if s.budget is None else f"{s.budget:g}"
         lines.append(
-            f"{s.mode:<10} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
+            f"{s.mode:<13} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
             f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
             f"{s.mean_first_token_kl:>8.4f} {s.mean_prompt_tokens:>7.1f} "
             f"{s.mean_cached_tokens:>7.1f} {s.mean_cached_image_tokens:>10.1f} "
