@@ -39,7 +39,7 @@ from sgl_mmkv.benchmarking.report import (
 )
 from sgl_mmkv.benchmarking.runner import BenchConfig, run_benchmark
 from sgl_mmkv.benchmarking.workloads import WORKLOADS
-from sgl_mmkv.config import REUSE_MODES
+from sgl_mmkv.config import DEFAULT_KV_BUDGET, EVICTION_POLICIES, REUSE_MODES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
@@ -63,8 +63,15 @@ def _ints(text: str) -> tuple[int, ...]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--modes", default="conduit", help="comma list of --mm-reuse modes")
+    parser.add_argument(
+        "--modes",
+        default="conduit",
+        help="comma list of --mm-reuse modes, each optionally +EVICT (conduit+aircache)",
+    )
     parser.add_argument("--mm-refresh-budget", type=float, default=0.1)
+    parser.add_argument(
+        "--mm-kv-budget", type=float, default=DEFAULT_KV_BUDGET, help="of the +EVICT modes"
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--images", type=_ints, default=(4, 8, 16), help="images per request")
     parser.add_argument("--concurrency", type=_ints, default=(1, 4))
@@ -83,9 +90,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/throughput"))
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in REUSE_MODES]
+    unknown = [
+        m
+        for m in modes
+        if m.partition("+")[0] not in REUSE_MODES
+        or m.partition("+")[2] not in ("", *EVICTION_POLICIES)
+    ]
     if unknown:
-        parser.error(f"unknown mode(s) {unknown}; choose from {', '.join(REUSE_MODES)}")
+        parser.error(
+            f"unknown mode(s) {unknown}; choose from {', '.join(REUSE_MODES)}, "
+            f"optionally +{{{','.join(EVICTION_POLICIES)}}}"
+        )
     args.modes = modes
     return args
 
@@ -114,7 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
-    run = run_benchmark(model, args.modes, shared, config, args.out_dir, args.mm_refresh_budget)
+    run = run_benchmark(
+        model,
+        args.modes,
+        shared,
+        config,
+        args.out_dir,
+        args.mm_refresh_budget,
+        kv_budget=args.mm_kv_budget,
+    )
     shape = DecoderShape.from_config(json.loads((model / "config.json").read_text()))
     rows = summarise(run, shape)
     meta = {

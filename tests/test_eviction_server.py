@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -30,7 +31,7 @@ def _server_args(pool_tokens: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_vlm, tmp_path_factory):
-    """name -> running server; started one after the other, all stopped at the end."""
+    """name -> running server; all stopped at the end."""
     logs = tmp_path_factory.mktemp("logs")
     configs = {
         "lru": _server_args(2048),
@@ -44,14 +45,18 @@ def servers(tiny_vlm, tmp_path_factory):
             480, "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.25"
         ),
     }
-    running = {}
+    procs = {
+        name: ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name)
+        for name, args in configs.items()
+    }
     try:
-        for name, args in configs.items():
-            proc = ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name)
-            running[name] = proc.start()
-        yield running
+        # Started side by side: start-up is mostly single-threaded imports and loading.
+        with ThreadPoolExecutor(len(procs)) as pool:
+            for started in [pool.submit(p.start, 400.0) for p in procs.values()]:
+                started.result()
+        yield procs
     finally:
-        for proc in running.values():
+        for proc in procs.values():
             proc.stop()
 
 

@@ -86,6 +86,27 @@ def test_fill_is_skipped_when_the_pool_is_full(store):
     assert store.counters.fill_skipped == 1 and store.num_tokens == 0
 
 
+def test_a_new_segment_takes_the_room_of_the_least_recently_used(store):
+    for key in range(3):
+        store.fill((key, 8), store.allocator.alloc(8), torch.arange(8)[None])
+    store.allocator.alloc(store.allocator.available_size() - 4)  # running requests
+    store.lookup((0, 8))
+    assert store.fill((9, 8), store.allocator.alloc(0), torch.arange(8)[None]) is None
+    assert store.reserve((9, 8), 8, torch.arange(8)[None]) is not None
+    assert (1, 8) not in store and (0, 8) in store and (2, 8) in store
+    assert store.counters.evictions == 1 and store.allocator.available_size() == 4
+
+
+def test_with_scored_eviction_a_new_segment_first_compresses_the_others():
+    store = SegmentStore(Allocator(64), Pool(64), compress_budget=0.5)
+    for key in range(2):
+        store.fill((key, 8), store.allocator.alloc(8), torch.arange(8)[None], torch.rand(8))
+    store.allocator.alloc(store.allocator.available_size() - 2)
+    assert store.reserve((9, 6), 6, torch.arange(6)[None]) is not None
+    assert store.counters.compressions == 1 and store.counters.evictions == 0
+    assert store.num_tokens == 8 + 4 + 6 and store.allocator.available_size() == 0
+
+
 def test_constant_delta_for_a_moved_mrope_image():
     old = torch.tensor([[5, 5, 5, 5], [5, 5, 6, 6], [5, 6, 5, 6]])
     assert constant_delta(old + 9, old) == 9

@@ -168,3 +168,18 @@ def test_client_records_a_refused_connection_as_a_failed_request():
     assert not result.ok and "Connect" in result.error
     with pytest.raises(ValueError, match="concurrency"):
         run_requests("http://127.0.0.1:1", [request], 0, max_tokens=2)
+
+
+def test_mode_names_map_to_reuse_and_eviction_flags():
+    from sgl_mmkv.benchmarking.servers import mode_flags
+
+    assert mode_flags("conduit", 0.1, 0.5) == [
+        "--mm-reuse",
+        "conduit",
+        "--mm-refresh-budget",
+        "0.1",
+    ]
+    assert mode_flags("conduit+aircache", 0.2, 0.25) == [
+        *("--mm-reuse", "conduit", "--mm-refresh-budget", "0.2"),
+        *("--mm-evict", "aircache", "--mm-kv-budget", "0.25"),
+    ]

@@ -56,6 +56,9 @@ class CellSummary:
     cached_tokens_per_req: float
     reused_tokens_per_req: float
     refreshed_tokens_per_req: float
+    segment_hits_per_req: float
+    compressed_tokens: int
+    evicted_segments: int
     prefill_tflops: float
     full_prefill_tflops: float
     peak_token_usage: float
@@ -95,6 +98,9 @@ def summarise_cell(run: CellRun, shape: DecoderShape) -> CellSummary:
         cached_tokens_per_req=sum(r.cached_tokens for r in ok) / n,
         reused_tokens_per_req=run.refresh_delta.get("reused_tokens", 0) / n,
         refreshed_tokens_per_req=run.refresh_delta.get("refreshed_tokens", 0) / n,
+        segment_hits_per_req=run.store_delta.get("hits", 0) / n,
+        compressed_tokens=int(run.store_delta.get("compressed_tokens", 0)),
+        evicted_segments=int(run.store_delta.get("evictions", 0)),
         prefill_tflops=flops / 1e12,
         full_prefill_tflops=full / 1e12,
         peak_token_usage=run.peak_token_usage,
@@ -156,6 +162,9 @@ _COLUMNS = (
     ("cached", "cached_tokens_per_req", "{:.0f}"),
     ("reused", "reused_tokens_per_req", "{:.0f}"),
     ("refreshed", "refreshed_tokens_per_req", "{:.0f}"),
+    ("seg hits", "segment_hits_per_req", "{:.1f}"),
+    ("compressed", "compressed_tokens", "{}"),
+    ("evicted", "evicted_segments", "{}"),
     ("FLOPs", "flops_fraction", "{:.3f}"),
     ("peak KV", "peak_token_usage", "{:.2f}"),
     ("TTFT x", "ttft_speedup", "{:.2f}"),

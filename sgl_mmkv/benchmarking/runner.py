@@ -19,6 +19,7 @@ from pathlib import Path
 from sgl_mmkv.benchmarking import workloads as wl
 from sgl_mmkv.benchmarking.client import RequestResult, run_requests
 from sgl_mmkv.benchmarking.servers import STOCK, Side, build_side, verify_identical
+from sgl_mmkv.config import DEFAULT_KV_BUDGET
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class CellRun:
     wall_s: float
     peak_token_usage: float
     refresh_delta: dict[str, float]
+    store_delta: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,7 @@ def run_cell(side: Side, cell: CellSpec, max_tokens: int) -> CellRun:
         wall_s=wall,
         peak_token_usage=side.peak_token_usage(started_at, datetime.now()),
         refresh_delta=_delta(after.get("refresh", {}), before.get("refresh", {})),
+        store_delta=_delta(after.get("store", {}), before.get("store", {})),
     )
 
 
@@ -134,6 +137,7 @@ def run_benchmark(
     out_dir: Path,
     refresh_budget: float,
     log=print,
+    kv_budget: float = DEFAULT_KV_BUDGET,
 ) -> BenchRun:
     """Start stock plus each mode, verify settings, warm up, run every cell on every side."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +147,7 @@ def run_benchmark(
     with contextlib.ExitStack() as stack:
         sides = []
         for name in names:
-            side = build_side(name, model_path, shared_args, out_dir, refresh_budget)
+            side = build_side(name, model_path, shared_args, out_dir, refresh_budget, kv_budget)
             stack.enter_context(side.process)
             log(f"started {name} at {side.base_url} (log {side.process.log_path})")
             sides.append(side)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import requests
 
+from sgl_mmkv.config import DEFAULT_KV_BUDGET
 from sgl_mmkv.testing.server import ServerProcess
 
 STOCK = "stock"
@@ -91,19 +92,30 @@ class Side:
         return peak
 
 
+def mode_flags(name: str, refresh_budget: float, kv_budget: float) -> list[str]:
+    """sgl_mmkv flags of side ``name``: ``MODE`` or ``MODE+EVICT`` (``conduit+aircache``:
+    ``--mm-reuse conduit --mm-evict aircache --mm-kv-budget kv_budget``)."""
+    reuse, _, evict = name.partition("+")
+    flags = ["--mm-reuse", reuse, "--mm-refresh-budget", str(refresh_budget)]
+    if evict:
+        flags += ["--mm-evict", evict, "--mm-kv-budget", str(kv_budget)]
+    return flags
+
+
 def build_side(
     name: str,
     model_path: str | Path,
     shared_args: Sequence[str],
     log_dir: Path,
     refresh_budget: float,
+    kv_budget: float = DEFAULT_KV_BUDGET,
 ) -> Side:
-    """A not yet started server for ``name`` (``stock`` or an ``--mm-reuse`` mode)."""
+    """A not yet started server for ``name`` (``stock``, or a mode as :func:`mode_flags`)."""
     log = log_dir / f"server-{name}.log"
     if name == STOCK:
         process = ServerProcess("sglang.launch_server", model_path, shared_args, log_path=log)
     else:
-        mmkv = ["--mm-reuse", name, "--mm-refresh-budget", str(refresh_budget)]
+        mmkv = mode_flags(name, refresh_budget, kv_budget)
         process = ServerProcess("sgl_mmkv.launch_server", model_path, [*mmkv, *shared_args], log)
     return Side(name, process)
 

@@ -86,7 +86,8 @@ class MMKVRadixCache(UnifiedRadixCache):
                 f"--mm-reuse {config.mm_reuse} needs --page-size 1 (got {self.page_size})"
             )
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
-        self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool)
+        compress = config.mm_kv_budget if config.uses_scored_eviction else None
+        self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool, compress)
         ranker = None
         if config.uses_scored_eviction:
             from sgl_mmkv.eviction.ranker import FillRanker

@@ -97,11 +97,14 @@ class SegmentStore:
             ``available_size()``).
         kv_pool: SGLang's KV pool (``get_key_buffer(l)``, ``get_value_buffer(l)``,
             ``layer_num``).
+        compress_budget: ``--mm-kv-budget`` when segments are ranked for scored
+            eviction; None for whole-segment LRU.
     """
 
-    def __init__(self, allocator, kv_pool) -> None:
+    def __init__(self, allocator, kv_pool, compress_budget: float | None = None) -> None:
         self.allocator = allocator
         self.kv_pool = kv_pool
+        self.compress_budget = compress_budget
         self.counters = StoreCounters()
         self._segments: OrderedDict[SegmentKey, Segment] = OrderedDict()
         self._num_tokens = 0
@@ -174,6 +177,8 @@ class SegmentStore:
         """
         if key in self._segments:
             return None
+        if n > 0:
+            self._make_room(n)
         if n == 0 or self.allocator.available_size() < n:
             self.counters.fill_skipped += 1
             return None
@@ -189,6 +194,16 @@ class SegmentStore:
         self._num_tokens += n
         self.counters.fills += 1
         return segment
+
+    def _make_room(self, n: int) -> None:
+        """Free store slots for a new segment of ``n`` tokens: compress (scored
+        eviction), then drop least recently used segments. Only the store's own
+        slots are touched, never the radix tree's or a running request's."""
+        short = n - self.allocator.available_size()
+        if short > 0 and self.compress_budget is not None:
+            short -= self.compress_lru(short, self.compress_budget)
+        if short > 0 and self._num_tokens >= short:
+            self.evict_lru(short)
 
     def discard(self, key: SegmentKey) -> None:
         """Drop ``key`` and free its slots (a fill whose KV could not be written)."""

@@ -13,15 +13,27 @@ _COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "blac
 
 
 def make_image(seed: int, size: int = 112) -> Image.Image:
-    """A ``size`` x ``size`` RGB image of a few coloured shapes, fixed by ``seed``."""
+    """A ``size`` x ``size`` RGB image of a few coloured shapes, fixed by ``seed``.
+
+    Different seeds give different images: the shapes never take the background's
+    colour, and the seed's 32 low bits are drawn as a row of marks along the top.
+    """
     rng = random.Random(seed)
-    image = Image.new("RGB", (size, size), rng.choice(_COLOURS))
+    background = rng.choice(_COLOURS)
+    image = Image.new("RGB", (size, size), background)
     draw = ImageDraw.Draw(image)
+    fills = [c for c in _COLOURS if c != background]
     for _ in range(rng.randint(1, 4)):
         x0, y0 = rng.randrange(size // 2), rng.randrange(size // 2)
         x1, y1 = x0 + rng.randint(10, size // 2), y0 + rng.randint(10, size // 2)
         shape = rng.choice((draw.ellipse, draw.rectangle))
-        shape((x0, y0, x1, y1), fill=rng.choice(_COLOURS))
+        shape((x0, y0, x1, y1), fill=rng.choice(fills))
+    mark = max(1, size // 40)
+    on, off = ("white", "black") if background != "white" else ("black", "grey")
+    for bit in range(32):
+        colour = on if (seed >> bit) & 1 else off
+        x = bit * mark
+        draw.rectangle((x, 0, x + mark - 1, mark - 1), fill=colour)
     return image
 
 
