@@ -197,3 +197,15 @@ def test_plan_of_a_compressed_segment_reuses_only_its_kept_tokens(store):
     assert plan.reused_tokens == 2
     assert plan.spans[0].reused_positions().tolist() == [3, 5]
     assert plan.reused_mask().tolist() == [False, True, False, True] + [False] * 8
+    assert plan.dropped_mask().tolist() == [False, False, True, False, True] + [False] * 7
+
+
+def test_a_pinned_segment_is_neither_evicted_nor_compressed():
+    store = SegmentStore(Allocator(64), Pool(64), compress_budget=0.5)
+    pinned = store.reserve((1, 8), 8, torch.arange(8)[None], torch.rand(8))
+    pinned.pinned = True
+    other = store.fill((2, 8), store.allocator.alloc(8), torch.arange(8)[None], torch.rand(8))
+    assert store.compress_lru(100, 0.5) == 4 and not pinned.compressed and other.compressed
+    assert store.evict_lru(100) == 4 and (1, 8) in store and (2, 8) not in store
+    pinned.pinned = False
+    assert store.evict_lru(100) == 8 and len(store) == 0

@@ -33,12 +33,9 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sgl_mmkv.eviction.observer import ObservingBackend, PrefillObserver
 from sgl_mmkv.eviction.ranker import FillRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
-from sgl_mmkv.refresh.attention_backend import (
-    GroupLocalAttentionBackend,
-    QueryCapture,
-    RefreshAttentionBackend,
-)
+from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
+from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.row_kv import row_kv
@@ -104,10 +101,9 @@ class RefreshExecutor:
         self.store = store
         self.scorer = scorer
         self.budget = budget
-        self.fill_policy = fill_policy
         self.ranker = ranker
-        self.compress_on_fill = compress_on_fill
         self.counters = RefreshCounters()
+        self.filler = SegmentFiller(store, self.counters, fill_policy, ranker, compress_on_fill)
         self._inv_freq: torch.Tensor | None = None
         self._shape: DecoderShape | None = None
 
@@ -121,7 +117,9 @@ class RefreshExecutor:
             observer = self.ranker.observer_for(plans) if self.ranker is not None else None
             out = self._run_observed(run_extend, model_runner, forward_batch, observer)
             self.counters.executed_flops += full_flops
-            self._fill(run_extend, model_runner, forward_batch, plans, None, observer, None)
+            self.filler.fill(
+                self._pass_runner(run_extend), model_runner, forward_batch, plans, None, observer
+            )
             self._report(forward_batch, plans, None, out, 0.0)
             return out
         started = time.perf_counter()
@@ -131,9 +129,13 @@ class RefreshExecutor:
             full_batch=forward_batch, stock_backend=model_runner.attn_backend
         )
         selected = self._select(run_extend, model_runner, forward_batch, plans, fresh, embeddings)
+        # The tokens a compressed segment lacks got their KV in the scoring (or
+        # CacheBlend's) pass already; recomputing them again would cost more than
+        # the reuse saves, so only the text and the selected tokens run again.
+        computed = self.scorer.needs_attention or self.scorer.needs_fresh_kv
         active = []
         for plan, mask, chosen in zip(plans, fresh, selected, strict=True):
-            mask = mask.clone()
+            mask = mask & ~plan.dropped_mask() if computed else mask.clone()
             mask[chosen - plan.prefix_len] = True
             mask[-1] = True
             active.append(mask)
@@ -141,7 +143,15 @@ class RefreshExecutor:
         out = self._run_pass(
             run_extend, model_runner, forward_batch, active, embeddings, observer=observer
         )
-        self._fill(run_extend, model_runner, forward_batch, plans, embeddings, observer, active)
+        self.filler.fill(
+            self._pass_runner(run_extend),
+            model_runner,
+            forward_batch,
+            plans,
+            embeddings,
+            observer,
+            active,
+        )
         self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
         return out
 
@@ -181,6 +191,17 @@ class RefreshExecutor:
             observer.hooks(model_runner.model) if observer is not None else nullcontext(),
         ):
             return run_extend(sub)
+
+    def _pass_runner(self, run_extend) -> Callable:
+        """``f(model_runner, forward_batch, active, embeddings, backend)`` for the filler;
+        FLOPs of a pass with its own ``backend`` are counted by the caller."""
+
+        def run(model_runner, forward_batch, active, embeddings, backend):
+            return self._run_pass(
+                run_extend, model_runner, forward_batch, active, embeddings, backend=backend
+            )
+
+        return run
 
     @staticmethod
     def _run_observed(run_extend, model_runner, forward_batch, observer):
@@ -307,106 +328,6 @@ class RefreshExecutor:
                 deltas,
                 inv_freq,
             )
-
-    def _fill(
-        self, run_extend, model_runner, forward_batch, plans, embeddings, observer, active
-    ) -> None:
-        """Store the batch's new images, ranked for eviction when ``observer`` is set.
-        ``canonical`` needs the token before the image in this extend; an image
-        without it is copied as under ``first``."""
-        rankings = self._rank_fills(model_runner, forward_batch, plans, observer, active)
-        canonical = []
-        for plan in plans:
-            for fill in plan.fills:
-                if self.fill_policy == "canonical" and fill.start > plan.prefix_len:
-                    canonical.append((plan, fill))
-                else:
-                    self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
-        if canonical:
-            if embeddings is None:
-                embeddings = EmbeddingPass(
-                    full_batch=forward_batch, stock_backend=model_runner.attn_backend
-                )
-            self._fill_canonical(
-                run_extend, model_runner, forward_batch, canonical, embeddings, rankings
-            )
-        if self.compress_on_fill:
-            for key in rankings:
-                segment = self.store.peek(key)
-                if segment is not None:
-                    self.store.compress(segment, self.ranker.budget)
-
-    def _rank_fills(self, model_runner, forward_batch, plans, observer, active) -> dict:
-        """Content key -> ``(n,)`` eviction ranking of each new image's tokens."""
-        if observer is None:
-            return {}
-        started = time.perf_counter()
-        rankings = {}
-        for plan in plans:
-            if plan.fills and plan.index in observer.queries:
-                mask = None if active is None else active[plan.index]
-                ranked = self.ranker.rankings(observer, model_runner, forward_batch, plan, mask)
-                for fill, ranking in zip(plan.fills, ranked, strict=True):
-                    rankings[fill.key] = ranking
-        self.counters.ranking_seconds += time.perf_counter() - started
-        return rankings
-
-    def _copy_fill(self, model_runner, forward_batch, plan, fill, rankings=None) -> None:
-        """Store ``fill`` from the KV the request computed for it (policy ``first``)."""
-        pool_index = forward_batch.req_pool_indices[plan.index]
-        row = model_runner.req_to_token_pool.req_to_token[pool_index]
-        ranking = (rankings or {}).get(fill.key)
-        self.store.fill(
-            fill.key, row[fill.start : fill.end].to(torch.long), fill.positions, ranking
-        )
-
-    def _fill_canonical(
-        self, run_extend, model_runner, forward_batch, fills, embeddings, rankings
-    ) -> None:
-        """One pass over ``[token before the image, image tokens]`` of every fill, each
-        group attending to itself only, at the request's positions; the image rows'
-        KV goes straight into fresh store slots. The request's own KV is untouched."""
-        extend_lens = forward_batch.extend_seq_lens_cpu
-        group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
-        slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
-        reserved = []
-        for plan, fill in fills:
-            lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
-            if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
-                self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
-                continue
-            segment = self.store.reserve(
-                fill.key, fill.end - fill.start, fill.positions, rankings.get(fill.key)
-            )
-            if segment is None:
-                continue
-            reserved.append(fill.key)
-            group[plan.index][lo - 1 : hi] = len(reserved)
-            slot[plan.index][lo:hi] = segment.slots.cpu()
-        if not reserved:
-            return
-        active = []
-        for i, ids in enumerate(group):
-            if ids[-1] < 0:  # every request keeps a last row for the logits processor
-                ids[-1] = len(reserved) + 1 + i
-            active.append(ids >= 0)
-        ids = torch.cat([g[m] for g, m in zip(group, active, strict=True)])
-        slots = torch.cat([s[m] for s, m in zip(slot, active, strict=True)])
-        _, sizes = torch.unique_consecutive(ids, return_counts=True)
-        rows = (slots >= 0).nonzero().flatten()
-        backend = GroupLocalAttentionBackend(
-            model_runner.token_to_kv_pool, sizes.tolist(), rows, slots[rows]
-        )
-        keys = int((sizes * (sizes + 1) // 2).sum())
-        self.counters.executed_flops += self._shape.flops(int(ids.numel()), keys, len(group))
-        try:
-            self._run_pass(
-                run_extend, model_runner, forward_batch, active, embeddings, backend=backend
-            )
-        except BaseException:
-            for key in reserved:
-                self.store.discard(key)
-            raise
 
     @staticmethod
     def _drop_unsupported(forward_batch, plans) -> None:

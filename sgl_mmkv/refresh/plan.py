@@ -71,6 +71,14 @@ class RequestPlan:
     def reused_tokens(self) -> int:
         return sum(s.num_reused for s in self.spans)
 
+    def dropped_mask(self) -> torch.Tensor:
+        """``(extend_len,)`` bool: tokens of reused images whose segment was compressed
+        without them (computed fresh, like text)."""
+        mask = torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
+        for s in self.spans:
+            mask[s.start - self.prefix_len : s.end - self.prefix_len] = True
+        return mask & ~self.reused_mask()
+
     def reused_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True where the extend token comes from a segment."""
         mask = torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)

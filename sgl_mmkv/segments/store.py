@@ -42,6 +42,8 @@ class Segment:
         ranking: optional ``(n,)`` float32 eviction-scorer ranking (higher: keep).
         kept: ``(m,)`` int64 sorted indices of the image tokens whose KV is held;
             ``None`` while the segment is whole (``m = n``).
+        pinned: True while its KV is still being written (canonical fill): never
+            evicted or compressed then.
     """
 
     key: SegmentKey
@@ -50,6 +52,7 @@ class Segment:
     alive: bool = True
     ranking: torch.Tensor | None = None
     kept: torch.Tensor | None = None
+    pinned: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -217,8 +220,12 @@ class SegmentStore:
         """Free least recently used segments until ``num_tokens`` slots are freed
         (or the store is empty). Returns the number of slots freed."""
         freed = 0
-        while freed < num_tokens and self._segments:
-            _, segment = self._segments.popitem(last=False)
+        for key, segment in list(self._segments.items()):
+            if freed >= num_tokens:
+                break
+            if segment.pinned:
+                continue
+            del self._segments[key]
             freed += self._release(segment, free_slots=True)
             self.counters.evictions += 1
             self.counters.evicted_tokens += segment.num_tokens
@@ -228,7 +235,7 @@ class SegmentStore:
         """Keep the top ``ceil(budget * n)`` tokens of ``segment`` by its ranking and
         free the other slots. Returns the slots freed (0 for a segment already
         compressed or without a ranking)."""
-        if segment.compressed or segment.ranking is None or not segment.alive:
+        if segment.compressed or segment.ranking is None or not segment.alive or segment.pinned:
             return 0
         n = segment.image_tokens
         k = budget_count(budget, n)

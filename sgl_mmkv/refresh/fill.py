@@ -1,0 +1,157 @@
+"""Filling the segment store with the new images of an extend batch.
+
+Policy ``first`` copies the KV the request computed for the image; ``canonical``
+recomputes each new image alone (after its ``<|vision_start|>``) in one pass
+whose attention is local to each image, writing straight into store slots. With
+scored eviction each new segment carries the ranking of its tokens, and with
+``--mm-compress-at fill`` it is compressed at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from sgl_mmkv.eviction.observer import PrefillObserver
+from sgl_mmkv.eviction.ranker import FillRanker
+from sgl_mmkv.refresh.attention_backend import GroupLocalAttentionBackend
+from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
+from sgl_mmkv.refresh.flops import DecoderShape
+from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.segments.store import SegmentStore
+
+
+class SegmentFiller:
+    """Args:
+    store: the segment store.
+    counters: the executor's ``RefreshCounters`` (FLOPs, ranking time).
+    fill_policy: ``first`` or ``canonical``.
+    ranker: ranks new segments for scored eviction, or None.
+    compress_on_fill: compress each ranked segment as soon as it is stored.
+    """
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        counters,
+        fill_policy: str = "first",
+        ranker: FillRanker | None = None,
+        compress_on_fill: bool = False,
+    ) -> None:
+        self.store = store
+        self.counters = counters
+        self.fill_policy = fill_policy
+        self.ranker = ranker
+        self.compress_on_fill = compress_on_fill
+
+    def fill(
+        self,
+        run_pass: Callable,
+        model_runner,
+        forward_batch,
+        plans: list[RequestPlan],
+        embeddings: EmbeddingPass | None,
+        observer: PrefillObserver | None,
+        active: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Store the batch's new images, ranked for eviction when ``observer`` is set.
+        ``canonical`` needs the token before the image in this extend; an image
+        without it is copied as under ``first``."""
+        rankings = self._rank_fills(model_runner, forward_batch, plans, observer, active)
+        canonical = []
+        for plan in plans:
+            for fill in plan.fills:
+                if self.fill_policy == "canonical" and fill.start > plan.prefix_len:
+                    canonical.append((plan, fill))
+                else:
+                    self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
+        if canonical:
+            if embeddings is None:
+                embeddings = EmbeddingPass(
+                    full_batch=forward_batch, stock_backend=model_runner.attn_backend
+                )
+            self._fill_canonical(
+                run_pass, model_runner, forward_batch, canonical, embeddings, rankings
+            )
+        if self.compress_on_fill:
+            for key in rankings:
+                segment = self.store.peek(key)
+                if segment is not None:
+                    self.store.compress(segment, self.ranker.budget)
+
+    def _rank_fills(self, model_runner, forward_batch, plans, observer, active) -> dict:
+        """Content key -> ``(n,)`` eviction ranking of each new image's tokens."""
+        if observer is None:
+            return {}
+        started = time.perf_counter()
+        rankings = {}
+        for plan in plans:
+            if plan.fills and plan.index in observer.queries:
+                mask = None if active is None else active[plan.index]
+                ranked = self.ranker.rankings(observer, model_runner, forward_batch, plan, mask)
+                for fill, ranking in zip(plan.fills, ranked, strict=True):
+                    rankings[fill.key] = ranking
+        self.counters.ranking_seconds += time.perf_counter() - started
+        return rankings
+
+    def _copy_fill(self, model_runner, forward_batch, plan, fill, rankings=None) -> None:
+        """Store ``fill`` from the KV the request computed for it (policy ``first``)."""
+        pool_index = forward_batch.req_pool_indices[plan.index]
+        row = model_runner.req_to_token_pool.req_to_token[pool_index]
+        ranking = (rankings or {}).get(fill.key)
+        self.store.fill(
+            fill.key, row[fill.start : fill.end].to(torch.long), fill.positions, ranking
+        )
+
+    def _fill_canonical(
+        self, run_pass, model_runner, forward_batch, fills, embeddings, rankings
+    ) -> None:
+        """One pass over ``[token before the image, image tokens]`` of every fill, each
+        group attending to itself only, at the request's positions; the image rows'
+        KV goes straight into fresh store slots. The request's own KV is untouched."""
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
+        slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
+        reserved = []
+        for plan, fill in fills:
+            lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
+            if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
+                self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
+                continue
+            segment = self.store.reserve(
+                fill.key, fill.end - fill.start, fill.positions, rankings.get(fill.key)
+            )
+            if segment is None:
+                continue
+            segment.pinned = True  # not evicted or compressed before its KV is written
+            reserved.append(segment)
+            group[plan.index][lo - 1 : hi] = len(reserved)
+            slot[plan.index][lo:hi] = segment.slots.cpu()
+        if not reserved:
+            return
+        active = []
+        for i, ids in enumerate(group):
+            if ids[-1] < 0:  # every request keeps a last row for the logits processor
+                ids[-1] = len(reserved) + 1 + i
+            active.append(ids >= 0)
+        ids = torch.cat([g[m] for g, m in zip(group, active, strict=True)])
+        slots = torch.cat([s[m] for s, m in zip(slot, active, strict=True)])
+        _, sizes = torch.unique_consecutive(ids, return_counts=True)
+        rows = (slots >= 0).nonzero().flatten()
+        backend = GroupLocalAttentionBackend(
+            model_runner.token_to_kv_pool, sizes.tolist(), rows, slots[rows]
+        )
+        keys = int((sizes * (sizes + 1) // 2).sum())
+        shape = DecoderShape.from_config(model_runner.model_config.hf_text_config)
+        self.counters.executed_flops += shape.flops(int(ids.numel()), keys, len(group))
+        try:
+            run_pass(model_runner, forward_batch, active, embeddings, backend)
+        except BaseException:
+            for segment in reserved:
+                self.store.discard(segment.key)
+            raise
+        finally:
+            for segment in reserved:
+                segment.pinned = False
