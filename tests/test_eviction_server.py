@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 TOKENS_PER_IMAGE = 16
 
@@ -65,8 +65,7 @@ def _client(server) -> openai.OpenAI:
 
 
 def _stats(server) -> dict:
-    info = requests.get(server.base_url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0]["sgl_mmkv"]
+    return mmkv_stats(server.base_url)
 
 
 def _chat(server, system: str, images: list, max_tokens: int = 6):

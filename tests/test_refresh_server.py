@@ -17,7 +17,7 @@ from transformers import AutoProcessor
 
 from sgl_mmkv.testing.fidelity_bench import FidelityClient
 from sgl_mmkv.testing.images import data_url, make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 TOKENS_PER_IMAGE = 16
 POOL_TOKENS = 1200
@@ -43,8 +43,7 @@ def client(server) -> openai.OpenAI:
 
 
 def _stats(server) -> dict:
-    info = requests.get(server.base_url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0]["sgl_mmkv"]
+    return mmkv_stats(server.base_url)
 
 
 def _flush(server) -> None:

@@ -10,11 +10,10 @@ included. Either way the filling request's own output is untouched.
 from __future__ import annotations
 
 import pytest
-import requests
 
 from sgl_mmkv.testing.fidelity_bench import FidelityClient
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 IMAGE = make_image(501)
 # Two first contexts that put the image at the same positions after different text
@@ -45,8 +44,7 @@ def server(request, tiny_vlm, tmp_path_factory):
 
 
 def _mmkv(base_url: str) -> dict:
-    info = requests.get(base_url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0]["sgl_mmkv"]
+    return mmkv_stats(base_url)
 
 
 def _probe_after(client: FidelityClient, context: str):

@@ -13,7 +13,7 @@ import requests
 
 from sgl_mmkv.segments.radix_cache import ACTIVE_LOG_PREFIX
 from sgl_mmkv.testing.images import make_image, png_bytes, save_png, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 QUESTION = "Which of the two images is brighter?"
 
@@ -155,8 +155,7 @@ def test_request_longer_than_the_context_is_a_4xx(server, client):
 
 
 def _segment_counters(server) -> dict:
-    info = requests.get(server.base_url + "/get_server_info", timeout=10).json()
-    return info["internal_states"][0]["sgl_mmkv"]["segments"]
+    return mmkv_stats(server.base_url)["segments"]
 
 
 def test_server_counts_image_segments_stock_matching_misses(server, client):

@@ -16,7 +16,7 @@ from pathlib import Path
 import requests
 
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
-from sgl_mmkv.testing.server import ServerProcess
+from sgl_mmkv.testing.server import ServerProcess, mmkv_stats
 
 STOCK = "stock"
 
@@ -76,8 +76,7 @@ class Side:
 
     def mmkv_stats(self) -> dict:
         """sgl_mmkv's counters (empty for stock or ``off``)."""
-        states = self.server_info().get("internal_states") or [{}]
-        return (states[0] or {}).get("sgl_mmkv") or {}
+        return mmkv_stats(self.base_url)
 
     def peak_token_usage(self, start: datetime, end: datetime) -> float:
         """Highest ``token usage`` the scheduler logged in ``[start, end]`` (seconds

@@ -31,6 +31,7 @@ from sgl_mmkv.testing.fidelity_task import (
     score,
 )
 from sgl_mmkv.testing.images import image_part
+from sgl_mmkv.testing.server import mmkv_stats
 
 SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn")
 TOP_K = 10
@@ -135,9 +136,7 @@ class FidelityClient:
 
     def refresh_counters(self) -> dict[str, int]:
         """sgl_mmkv's server-wide refresh counters (zeros on a stock server)."""
-        info = requests.get(self.base_url + "/get_server_info", timeout=60).json()
-        states = info.get("internal_states") or [{}]
-        return (states[0].get("sgl_mmkv") or {}).get("refresh") or {}
+        return mmkv_stats(self.base_url).get("refresh") or {}
 
     def chat(self, messages: list[dict]) -> Reply:
         started = time.monotonic()

@@ -35,6 +35,14 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
 )
 
 
+def mmkv_stats(base_url: str, timeout_s: float = 60.0) -> dict:
+    """sgl_mmkv's counters from ``GET /get_server_info`` (empty for stock or ``off``)."""
+    response = requests.get(base_url + "/get_server_info", timeout=timeout_s)
+    response.raise_for_status()
+    states = response.json().get("internal_states") or [{}]
+    return (states[0] or {}).get("sgl_mmkv") or {}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
