@@ -54,6 +54,16 @@ class ConfigError(ValueError):
     """A flag value sgl_mmkv cannot run with; the message says which and why."""
 
 
+def _require_choice(flag: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} {value!r} is unknown; choose one of {', '.join(choices)}")
+
+
+def _is_real(value) -> bool:
+    """A real number given as a flag value (``True`` / ``False`` are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class MMKVConfig:
     """What sgl_mmkv does in this server.
@@ -77,27 +87,16 @@ class MMKVConfig:
     mm_compress_at: str = DEFAULT_COMPRESS_AT
 
     def __post_init__(self) -> None:
-        if self.mm_reuse not in REUSE_MODES:
-            raise ConfigError(
-                f"--mm-reuse {self.mm_reuse!r} is unknown; choose one of {', '.join(REUSE_MODES)}"
-            )
+        _require_choice("--mm-reuse", self.mm_reuse, REUSE_MODES)
         if self.mm_reuse not in IMPLEMENTED_REUSE_MODES:
             raise ConfigError(
                 f"--mm-reuse {self.mm_reuse} is not implemented yet in this version of "
                 f"sgl_mmkv; implemented: {', '.join(IMPLEMENTED_REUSE_MODES)}"
             )
         budget = self.mm_refresh_budget
-        if (
-            isinstance(budget, bool)
-            or not isinstance(budget, (int, float))
-            or not (0.0 <= budget <= 1.0)
-        ):
+        if not (_is_real(budget) and 0.0 <= budget <= 1.0):
             raise ConfigError(f"--mm-refresh-budget must be in [0, 1], got {budget!r}")
-        if self.mm_segment_fill not in SEGMENT_FILL_POLICIES:
-            raise ConfigError(
-                f"--mm-segment-fill {self.mm_segment_fill!r} is unknown; "
-                f"choose one of {', '.join(SEGMENT_FILL_POLICIES)}"
-            )
+        _require_choice("--mm-segment-fill", self.mm_segment_fill, SEGMENT_FILL_POLICIES)
         if self.mm_segment_fill != DEFAULT_SEGMENT_FILL and not self.uses_refresh:
             raise ConfigError(
                 f"--mm-segment-fill {self.mm_segment_fill} needs a refresh mode of --mm-reuse "
@@ -107,24 +106,12 @@ class MMKVConfig:
         self._check_eviction()
 
     def _check_eviction(self) -> None:
-        if self.mm_evict not in EVICTION_POLICIES:
-            raise ConfigError(
-                f"--mm-evict {self.mm_evict!r} is unknown; "
-                f"choose one of {', '.join(EVICTION_POLICIES)}"
-            )
+        _require_choice("--mm-evict", self.mm_evict, EVICTION_POLICIES)
         budget = self.mm_kv_budget
-        if (
-            isinstance(budget, bool)
-            or not isinstance(budget, (int, float))
-            or not (0.0 < budget <= 1.0)
-        ):
+        if not (_is_real(budget) and 0.0 < budget <= 1.0):
             raise ConfigError(f"--mm-kv-budget must be in (0, 1], got {budget!r}")
-        if self.mm_compress_at not in COMPRESS_TRIGGERS:
-            raise ConfigError(
-                f"--mm-compress-at {self.mm_compress_at!r} is unknown; "
-                f"choose one of {', '.join(COMPRESS_TRIGGERS)}"
-            )
-        if self.mm_evict != DEFAULT_EVICTION and not self.uses_refresh:
+        _require_choice("--mm-compress-at", self.mm_compress_at, COMPRESS_TRIGGERS)
+        if self.uses_scored_eviction and not self.uses_refresh:
             raise ConfigError(
                 f"--mm-evict {self.mm_evict} compresses segments of the segment store and "
                 f"needs a refresh mode of --mm-reuse, not {self.mm_reuse}"

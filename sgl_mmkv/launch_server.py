@@ -38,6 +38,23 @@ from sgl_mmkv.config import (
 )
 
 
+def _add_choice_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    choices: dict[str, str],
+    default: str,
+    what: str,
+) -> None:
+    """A flag whose help lists each choice with its description."""
+    described = "; ".join(f"{name}: {text}" for name, text in choices.items())
+    parser.add_argument(
+        flag,
+        default=default,
+        metavar="{" + ",".join(choices) + "}",
+        help=f"{what} (default %(default)s). {described}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sgl_mmkv.launch_server",
@@ -59,20 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="fraction of reused image tokens recomputed, in [0, 1] (default %(default)s)",
     )
-    fills = "; ".join(f"{name}: {text}" for name, text in SEGMENT_FILL_POLICIES.items())
-    parser.add_argument(
+    _add_choice_flag(
+        parser,
         "--mm-segment-fill",
-        default=DEFAULT_SEGMENT_FILL,
-        metavar="{" + ",".join(SEGMENT_FILL_POLICIES) + "}",
-        help=f"how a new image's KV enters the segment store (default %(default)s). {fills}",
+        SEGMENT_FILL_POLICIES,
+        DEFAULT_SEGMENT_FILL,
+        "how a new image's KV enters the segment store",
     )
-    evictions = "; ".join(f"{name}: {text}" for name, text in EVICTION_POLICIES.items())
-    parser.add_argument(
+    _add_choice_flag(
+        parser,
         "--mm-evict",
-        default=DEFAULT_EVICTION,
-        metavar="{" + ",".join(EVICTION_POLICIES) + "}",
-        help=f"how cached image segments give way under memory pressure "
-        f"(default %(default)s). {evictions}",
+        EVICTION_POLICIES,
+        DEFAULT_EVICTION,
+        "how cached image segments give way under memory pressure",
     )
     parser.add_argument(
         "--mm-kv-budget",
@@ -82,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of a segment's visual tokens kept when it is compressed, in (0, 1] "
         "(default %(default)s)",
     )
-    triggers = "; ".join(f"{name}: {text}" for name, text in COMPRESS_TRIGGERS.items())
-    parser.add_argument(
+    _add_choice_flag(
+        parser,
         "--mm-compress-at",
-        default=DEFAULT_COMPRESS_AT,
-        metavar="{" + ",".join(COMPRESS_TRIGGERS) + "}",
-        help=f"when a scored segment is compressed (default %(default)s). {triggers}",
+        COMPRESS_TRIGGERS,
+        DEFAULT_COMPRESS_AT,
+        "when a scored segment is compressed",
     )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
