@@ -40,6 +40,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qw
 # token refreshed) are each one configuration, drawn as the ends of every line.
 BUDGETED_MODES: tuple[str, ...] = ("conduit", "prophetkv", "first", "cacheblend", "random")
 UNBUDGETED_REFRESH: dict[str, float] = {"reuse": 0.0, "full": 1.0}
+# A method is measured on every probe, also where the server's default cost gate
+# would serve the probe as stock does (a short probe reusing one small image).
+MEASURE_EVERY_MATCH: tuple[str, ...] = ("--mm-reuse-gate", "always")
 
 
 def eviction_server_for(
@@ -49,6 +52,7 @@ def eviction_server_for(
     as they are stored: every probe reuses compressed segments."""
     extra = [
         *("--mm-reuse", "conduit", "--mm-refresh-budget", str(refresh_budget)),
+        *MEASURE_EVERY_MATCH,
         *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "fill"),
     ]
     return ServerProcess(
@@ -70,7 +74,7 @@ def server_for(
     if budget is not None:
         extra += ["--mm-refresh-budget", str(budget)]
     if mode not in CACHE_ONLY_MODES:
-        extra += ["--mm-segment-fill", segment_fill]
+        extra += ["--mm-segment-fill", segment_fill, *MEASURE_EVERY_MATCH]
     name = f"{mode}" + (f"_{budget}" if budget is not None else "")
     return ServerProcess(
         "sgl_mmkv.launch_server",

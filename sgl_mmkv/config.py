@@ -47,6 +47,13 @@ COMPRESS_TRIGGERS: dict[str, str] = {
     "fill": "as soon as it is stored (more images in the same memory)",
 }
 DEFAULT_COMPRESS_AT = "pressure"
+# --mm-reuse-gate: whether a matched image is reused when reuse costs more.
+REUSE_GATES: dict[str, str] = {
+    "cost": "serve a request as stock does when its reuse would compute more FLOPs "
+    "than its full prefill",
+    "always": "reuse every matched image (to measure a method at any reuse ratio)",
+}
+DEFAULT_REUSE_GATE = "cost"
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
 
@@ -77,6 +84,7 @@ class MMKVConfig:
         mm_kv_budget: fraction of a segment's visual tokens kept when compressing,
             in (0, 1].
         mm_compress_at: one of :data:`COMPRESS_TRIGGERS`.
+        mm_reuse_gate: one of :data:`REUSE_GATES`.
     """
 
     mm_reuse: str = "off"
@@ -85,6 +93,7 @@ class MMKVConfig:
     mm_evict: str = DEFAULT_EVICTION
     mm_kv_budget: float = DEFAULT_KV_BUDGET
     mm_compress_at: str = DEFAULT_COMPRESS_AT
+    mm_reuse_gate: str = DEFAULT_REUSE_GATE
 
     def __post_init__(self) -> None:
         _require_choice("--mm-reuse", self.mm_reuse, REUSE_MODES)
@@ -102,7 +111,12 @@ class MMKVConfig:
                 f"--mm-segment-fill {self.mm_segment_fill} needs a refresh mode of --mm-reuse "
                 f"(the segment store), not {self.mm_reuse}"
             )
-
+        _require_choice("--mm-reuse-gate", self.mm_reuse_gate, REUSE_GATES)
+        if self.mm_reuse_gate != DEFAULT_REUSE_GATE and not self.uses_refresh:
+            raise ConfigError(
+                f"--mm-reuse-gate {self.mm_reuse_gate} needs a refresh mode of --mm-reuse, "
+                f"not {self.mm_reuse}"
+            )
         self._check_eviction()
 
     def _check_eviction(self) -> None:

@@ -8,6 +8,7 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
     --mm-evict {lru,aircache,mmshiftkv,snapkv}  how segments give way under memory pressure
     --mm-kv-budget R                     fraction of a segment's tokens kept when compressed
     --mm-compress-at {pressure,fill}     when a scored segment is compressed
+    --mm-reuse-gate {cost,always}        skip reuse that would cost more than a full prefill
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
@@ -26,10 +27,12 @@ from sgl_mmkv.config import (
     DEFAULT_EVICTION,
     DEFAULT_KV_BUDGET,
     DEFAULT_REFRESH_BUDGET,
+    DEFAULT_REUSE_GATE,
     DEFAULT_SEGMENT_FILL,
     EVICTION_POLICIES,
     IMPLEMENTED_REUSE_MODES,
     RADIX_CACHE_BACKEND_NAME,
+    REUSE_GATES,
     REUSE_MODES,
     SEGMENT_FILL_POLICIES,
     ConfigError,
@@ -105,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_COMPRESS_AT,
         "when a scored segment is compressed",
     )
+    _add_choice_flag(
+        parser,
+        "--mm-reuse-gate",
+        REUSE_GATES,
+        DEFAULT_REUSE_GATE,
+        "whether a matched image is reused when reuse costs more than a full prefill",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -137,6 +147,7 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
         mm_evict=ours.mm_evict,
         mm_kv_budget=ours.mm_kv_budget,
         mm_compress_at=ours.mm_compress_at,
+        mm_reuse_gate=ours.mm_reuse_gate,
     )
     sglang_argv = list(sglang_argv)
 

@@ -26,7 +26,7 @@ TOKENS_PER_IMAGE = 16
 def _server_args(pool_tokens: int, *extra: str) -> list[str]:
     args = list(CPU_SERVER_ARGS)
     args[args.index("--max-total-tokens") + 1] = str(pool_tokens)
-    return [*args, "--mm-reuse", "conduit", *extra]
+    return [*args, "--mm-reuse", "conduit", "--mm-reuse-gate", "always", *extra]
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,8 @@ def test_budget_is_parsed():
             ["--mm-reuse", "conduit", "--mm-evict", "aircache", "--page-size", "4"],
             "needs --page-size 1",
         ),
+        (["--mm-reuse", "conduit", "--mm-reuse-gate", "never"], "--mm-reuse-gate 'never'"),
+        (["--mm-reuse", "exact", "--mm-reuse-gate", "always"], "needs a refresh mode"),
     ],
 )
 def test_bad_flags_raise_config_error(argv, message):
@@ -85,6 +87,12 @@ def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
     assert config.mm_evict == "mmshiftkv" and config.mm_kv_budget == 0.1
     assert config.uses_scored_eviction and config.mm_compress_at == "pressure"
     assert not resolve_args(["--mm-reuse", "conduit"])[0].uses_scored_eviction
+
+
+def test_reuse_gate_defaults_to_cost_and_parses_always():
+    assert resolve_args(["--mm-reuse", "conduit"])[0].mm_reuse_gate == "cost"
+    config, argv = resolve_args(["--mm-reuse", "conduit", "--mm-reuse-gate", "always"])
+    assert config.mm_reuse_gate == "always" and "--mm-reuse-gate" not in argv
 
 
 def test_plugin_allow_list_must_include_us(monkeypatch):

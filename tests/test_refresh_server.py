@@ -26,7 +26,8 @@ POOL_TOKENS = 1200
 def _server_args(*extra: str) -> list[str]:
     args = list(CPU_SERVER_ARGS)
     args[args.index("--max-total-tokens") + 1] = str(POOL_TOKENS)
-    return [*args, *extra]
+    # Every match is reused, however little it saves: these tests check reuse itself.
+    return [*args, "--mm-reuse-gate", "always", *extra]
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,11 @@ def test_doc_qa_pages_are_reused_by_conduit_and_recomputed_by_stock(bench):
         assert conduit["refreshed_tokens_per_req"] == 4  # ceil(0.1 * 32) per request
     new = _row(bench, "no_reuse/2img/c1", "conduit")
     assert new["reused_tokens_per_req"] == 0 and new["refreshed_tokens_per_req"] == 0
-    chat = _row(bench, "multi_turn/2img/c1", "conduit")
-    assert chat["reused_tokens_per_req"] > 0
+    # The cost gate: where reuse would compute more than a full prefill (a two-turn
+    # chat of tiny images), the request runs as stock does, so no cell costs more.
+    for row in bench["cells"]:
+        if row["side"] == "conduit":
+            assert row["flops_fraction"] <= 1.0, row["cell"]
 
 
 def test_flops_are_counted_by_the_server_exactly_as_the_usage_implies(bench, tiny_vlm):

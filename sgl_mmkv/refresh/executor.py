@@ -10,7 +10,11 @@ For an extend batch with at least one :class:`ReuseSpan` (``plan.py``):
    CacheBlend's pass instead recomputes the whole row to measure KV deviation;
 3. selection: the scorer's global top-k under the refresh budget;
 4. refresh pass: fresh + selected tokens run through every layer, attending by
-   position over the whole row. Its logits are the batch's output.
+   position over the whole row, skipping the leading tokens whose KV the scoring
+   pass already made final (``cost.py``). Its logits are the batch's output.
+
+With ``--mm-reuse-gate cost`` (default) a request whose passes would together
+compute at least its full prefill is served as stock would, without reuse.
 
 Stock SGLang code runs every pass (``EagerRunner._execute_extend`` on a sub-batch,
 the model's own modules); only the attention backend is ours for the pass.
@@ -34,6 +38,7 @@ from sgl_mmkv.eviction.observer import ObservingBackend, PrefillObserver
 from sgl_mmkv.eviction.ranker import FillRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
+from sgl_mmkv.refresh.cost import reuse_flops, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
@@ -55,6 +60,7 @@ class RefreshCounters:
     refresh_forwards: int = 0
     reused_tokens: int = 0
     refreshed_tokens: int = 0
+    declined_reuses: int = 0
     recomputed_tokens: int = 0
     executed_flops: int = 0
     full_prefill_flops: int = 0
@@ -84,6 +90,9 @@ class RefreshExecutor:
         scorer: the ``--mm-reuse`` method.
         budget: ``--mm-refresh-budget``.
         fill_policy: ``--mm-segment-fill`` (``first`` or ``canonical``).
+        gate: ``--mm-reuse-gate``: ``cost`` serves a request as stock does when its
+            reuse would compute more than its full prefill (``cost.py``); ``always``
+            reuses every match.
         ranker: ranks new segments' tokens for scored eviction (``--mm-evict``).
         compress_on_fill: compress each ranked segment as soon as it is stored
             (``--mm-compress-at fill``) to ``ranker.budget``.
@@ -95,12 +104,14 @@ class RefreshExecutor:
         scorer: RefreshScorer,
         budget: float,
         fill_policy: str = "first",
+        gate: str = "cost",
         ranker: FillRanker | None = None,
         compress_on_fill: bool = False,
     ) -> None:
         self.store = store
         self.scorer = scorer
         self.budget = budget
+        self.gate = gate
         self.ranker = ranker
         self.counters = RefreshCounters()
         self.filler = SegmentFiller(store, self.counters, fill_policy, ranker, compress_on_fill)
@@ -113,6 +124,8 @@ class RefreshExecutor:
         self._drop_unsupported(forward_batch, plans)
         full_flops = self._full_flops(model_runner, forward_batch)
         self.counters.full_prefill_flops += full_flops
+        if self.gate == "cost":
+            self._decline_costly_reuse(plans)
         if not any(p.spans for p in plans):
             observer = self.ranker.observer_for(plans) if self.ranker is not None else None
             out = self._run_observed(run_extend, model_runner, forward_batch, observer)
@@ -131,12 +144,15 @@ class RefreshExecutor:
         selected = self._select(run_extend, model_runner, forward_batch, plans, fresh, embeddings)
         # The tokens a compressed segment lacks got their KV in the scoring (or
         # CacheBlend's) pass already; recomputing them again would cost more than
-        # the reuse saves, so only the text and the selected tokens run again.
+        # the reuse saves, so only the text and the selected tokens run again, and
+        # none before the first token whose input changed since that pass.
         computed = self.scorer.needs_attention or self.scorer.needs_fresh_kv
         active = []
         for plan, mask, chosen in zip(plans, fresh, selected, strict=True):
             mask = mask & ~plan.dropped_mask() if computed else mask.clone()
             mask[chosen - plan.prefix_len] = True
+            if computed:
+                mask[: unchanged_prefix(plan, chosen, self.scorer.needs_fresh_kv)] = False
             mask[-1] = True
             active.append(mask)
         observer = self.ranker.observer_for(plans, active) if self.ranker is not None else None
@@ -328,6 +344,17 @@ class RefreshExecutor:
                 deltas,
                 inv_freq,
             )
+
+    def _decline_costly_reuse(self, plans: list[RequestPlan]) -> None:
+        """Requests whose reuse would compute at least their full prefill lose their
+        spans and run as stock would (counted in ``declined_reuses``)."""
+        for plan in plans:
+            if not plan.spans:
+                continue
+            full = self._shape.extend_flops(plan.prefix_len, plan.seq_len)
+            if reuse_flops(self._shape, plan, self.scorer, self.budget) >= full:
+                plan.spans.clear()
+                self.counters.declined_reuses += 1
 
     @staticmethod
     def _drop_unsupported(forward_batch, plans) -> None:

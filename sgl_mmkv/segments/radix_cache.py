@@ -99,6 +99,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             make_scorer(config.mm_reuse),
             config.mm_refresh_budget,
             fill_policy=config.mm_segment_fill,
+            gate=config.mm_reuse_gate,
             ranker=ranker,
             compress_on_fill=config.mm_compress_at == "fill",
         )

@@ -1,0 +1,68 @@
+"""What reuse costs a request, and which of its tokens a refresh pass can skip.
+
+A scorer that reads attention runs two passes over a reusing request: the scoring
+pass computes every fresh token (text, new images, tokens a compressed segment
+lacks) over the stale reused KV, the refresh pass then computes the fresh and the
+selected tokens again over the partly refreshed row. A token before the first
+position whose input changed between the passes computes the same KV twice, so
+the refresh pass skips it (:func:`unchanged_prefix`). What remains can still cost
+more than the full prefill it replaces when a request reuses little and computes
+much (one stored image among many new ones): :func:`reuse_flops` estimates it so
+that the executor can serve such a request as stock does (``--mm-reuse-gate cost``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_mmkv.refresh.flops import DecoderShape
+from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.scorers import RefreshScorer
+from sgl_mmkv.refresh.scorers.base import budget_count
+
+
+def unchanged_prefix(plan: RequestPlan, selected: torch.Tensor, deviation_pass: bool) -> int:
+    """How many leading extend tokens of ``plan`` already hold their final KV.
+
+    Args:
+        selected: ``(k,)`` row positions refreshed by the refresh pass.
+        deviation_pass: the earlier pass recomputed the whole extend and the stale KV
+            was restored afterwards (CacheBlend): the first reused token changed too.
+    """
+    extend_len = plan.seq_len - plan.prefix_len
+    first = extend_len
+    if selected.numel():
+        first = min(first, int(selected.min()) - plan.prefix_len)
+    if deviation_pass and plan.spans:
+        first = min(first, int(plan.reused_mask().nonzero()[0]))
+    return first
+
+
+def reuse_flops(
+    shape: DecoderShape, plan: RequestPlan, scorer: RefreshScorer, budget: float
+) -> int:
+    """Estimated FLOPs of serving ``plan`` with reuse, all passes.
+
+    The refresh pass is bounded from above: its ``ceil(budget * image tokens)``
+    selected tokens are taken as the last reused ones and nothing before the first
+    reused token is assumed skipped."""
+    extend_len = plan.seq_len - plan.prefix_len
+    positions = torch.arange(plan.prefix_len, plan.seq_len)
+    reused = plan.reused_mask()
+    last = torch.zeros(extend_len, dtype=torch.bool)
+    last[-1] = True
+    total = 0
+    refresh = ~reused | last
+    if scorer.needs_fresh_kv:
+        total += shape.extend_flops(plan.prefix_len, plan.seq_len)
+    if scorer.needs_attention:
+        total += shape.pass_flops(positions[refresh])
+    if scorer.needs_attention or scorer.needs_fresh_kv:
+        refresh = refresh & ~plan.dropped_mask()
+        refresh[: int(reused.nonzero()[0])] = False
+        refresh |= last
+    num_image_tokens = sum(s.end - s.start for s in plan.spans)
+    k = budget_count(budget, num_image_tokens)
+    if k:
+        refresh[reused.nonzero().flatten()[-k:]] = True
+    return total + shape.pass_flops(positions[refresh])

@@ -1,0 +1,98 @@
+"""The refresh pass's skip of unchanged leading tokens and the reuse cost estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_mmkv.refresh.cost import reuse_flops, unchanged_prefix
+from sgl_mmkv.refresh.flops import DecoderShape
+from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
+from sgl_mmkv.refresh.scorers import make_scorer
+from sgl_mmkv.segments.store import Segment
+
+SHAPE = DecoderShape(
+    num_layers=8,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    vocab_size=1024,
+)
+
+
+def _plan(prefix: int, seq_len: int, spans: list[tuple[int, int]], kept=None) -> RequestPlan:
+    plan = RequestPlan(0, prefix, seq_len)
+    plan.visual = torch.zeros(seq_len - prefix, dtype=torch.bool)
+    for start, end in spans:
+        n = end - start
+        keep = None if kept is None else torch.arange(0, n, 2)
+        segment = Segment(
+            key=(start, n),
+            slots=torch.arange(n if keep is None else keep.numel()),
+            positions=torch.arange(n)[None],
+            kept=keep,
+        )
+        plan.spans.append(ReuseSpan(start, end, segment, delta=0))
+        plan.visual[start - prefix : end - prefix] = True
+    return plan
+
+
+def test_unchanged_prefix_ends_at_the_first_refreshed_token():
+    plan = _plan(10, 100, [(30, 46), (60, 76)])
+    assert unchanged_prefix(plan, torch.tensor([33, 62]), deviation_pass=False) == 23
+    assert unchanged_prefix(plan, torch.empty(0, dtype=torch.long), deviation_pass=False) == 90
+
+
+def test_unchanged_prefix_after_a_deviation_pass_ends_at_the_first_reused_token():
+    plan = _plan(10, 100, [(30, 46), (60, 76)])
+    assert unchanged_prefix(plan, torch.tensor([62]), deviation_pass=True) == 20
+
+
+def test_little_reuse_among_much_fresh_work_costs_more_than_full_prefill():
+    # One 256-token stored image, then 15 new ones: scoring + refresh pass both
+    # compute the new images.
+    plan = _plan(20, 20 + 16 * 256 + 40, [(20, 276)])
+    full = SHAPE.extend_flops(plan.prefix_len, plan.seq_len)
+    assert reuse_flops(SHAPE, plan, make_scorer("conduit"), 0.1) > full
+    # A position-only method runs one pass: always cheaper than full prefill.
+    assert reuse_flops(SHAPE, plan, make_scorer("reuse"), 0.0) < full
+
+
+def test_much_reuse_costs_a_fraction_of_full_prefill():
+    spans = [(20 + 256 * i, 20 + 256 * (i + 1)) for i in range(16)]
+    plan = _plan(20, 20 + 16 * 256 + 40, spans)
+    full = SHAPE.extend_flops(plan.prefix_len, plan.seq_len)
+    cost = reuse_flops(SHAPE, plan, make_scorer("conduit"), 0.1)
+    assert 0.1 * full < cost < 0.2 * full
+    # CacheBlend recomputes the whole extend for its signal: never cheaper.
+    assert reuse_flops(SHAPE, plan, make_scorer("cacheblend"), 0.1) > full
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.1, 0.5, 1.0])
+def test_estimate_counts_scoring_pass_and_bounded_refresh_pass(budget):
+    plan = _plan(0, 120, [(20, 52)])
+    positions = torch.arange(120)
+    reused = plan.reused_mask()
+    scoring = SHAPE.pass_flops(positions[~reused])
+    k = int(torch.tensor(budget * 32).ceil())
+    refresh = ~reused
+    refresh[:20] = False
+    refresh[52 - k : 52] = True
+    expected = scoring + SHAPE.pass_flops(positions[refresh])
+    assert reuse_flops(SHAPE, plan, make_scorer("conduit"), budget) == expected
+
+
+def test_estimate_skips_a_compressed_segments_dropped_tokens_in_the_refresh_pass():
+    whole = _plan(0, 120, [(20, 52)])
+    compressed = _plan(0, 120, [(20, 52)], kept="even")
+    scorer = make_scorer("conduit")
+    dropped = compressed.dropped_mask()
+    assert int(dropped.sum()) == 16
+    # Dropped tokens run in the scoring pass only: more than the whole segment's
+    # scoring pass, less than computing them twice.
+    extra_scoring = SHAPE.pass_flops(torch.arange(120)[dropped])
+    cost_whole = reuse_flops(SHAPE, whole, scorer, 0.1)
+    cost_compressed = reuse_flops(SHAPE, compressed, scorer, 0.1)
+    assert cost_whole < cost_compressed < cost_whole + 2 * extra_scoring
