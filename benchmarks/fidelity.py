@@ -55,12 +55,7 @@ def eviction_server_for(
         *MEASURE_EVERY_MATCH,
         *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "fill"),
     ]
-    return ServerProcess(
-        "sgl_mmkv.launch_server",
-        model,
-        [*extra, *CPU_SERVER_ARGS],
-        log_path=log_dir / f"evict_{evict}_{kv_budget}.log",
-    )
+    return mmkv_server(extra, model, log_dir / f"evict_{evict}_{kv_budget}.log")
 
 
 def server_for(
@@ -76,12 +71,22 @@ def server_for(
     if mode not in CACHE_ONLY_MODES:
         extra += ["--mm-segment-fill", segment_fill, *MEASURE_EVERY_MATCH]
     name = f"{mode}" + (f"_{budget}" if budget is not None else "")
+    return mmkv_server(extra, model, log_dir / f"{name}.log")
+
+
+def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
+    """``python -m sgl_mmkv.launch_server`` with ``flags`` and the CPU settings."""
     return ServerProcess(
-        "sgl_mmkv.launch_server",
-        model,
-        [*extra, *CPU_SERVER_ARGS],
-        log_path=log_dir / f"{name}.log",
+        "sgl_mmkv.launch_server", model, [*flags, *CPU_SERVER_ARGS], log_path=log_path
     )
+
+
+def measure_on(server: ServerProcess, label: str, layout, examples, scenarios) -> list:
+    """Start ``server``, run every probe through it, stop it; the probe records."""
+    with server:
+        records = measure(FidelityClient(server.base_url), layout, examples, scenarios)
+    print(f"[fidelity] {label}: {len(records)} probes", flush=True)
+    return records
 
 
 def machine_description() -> str:
@@ -169,22 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets if mode in BUDGETED_MODES else [UNBUDGETED_REFRESH.get(mode)]:
             label = mode if budget is None else f"{mode}@{budget}"
             server = server_for(mode, args.model_path, budget, args.out_dir, args.segment_fill)
-            with server:
-                client = FidelityClient(server.base_url)
-                records[label] = measure(client, layout, examples, scenarios)
+            records[label] = measure_on(server, label, layout, examples, scenarios)
             summaries += summarise(mode, records[label], budget)
-            print(f"[fidelity] {label}: {len(records[label])} probes", flush=True)
     for evict in [m for m in args.evict_modes.split(",") if m]:
         for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
             label = f"evict:{evict}@{kv_budget}"
             server = eviction_server_for(
                 evict, kv_budget, args.model_path, args.out_dir, args.evict_refresh_budget
             )
-            with server:
-                client = FidelityClient(server.base_url)
-                records[label] = measure(client, layout, examples, scenarios)
+            records[label] = measure_on(server, label, layout, examples, scenarios)
             summaries += summarise(f"kv:{evict}", records[label], kv_budget)
-            print(f"[fidelity] {label}: {len(records[label])} probes", flush=True)
 
     table = format_table(summaries)
     print(table)

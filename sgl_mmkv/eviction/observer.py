@@ -106,6 +106,18 @@ class ObservingBackend:
         return getattr(self._inner, name)
 
 
+@contextmanager
+def observing(observer: PrefillObserver | None, model, backend) -> Iterator:
+    """``backend`` wrapped to hand its queries to ``observer``, with the observer's
+    attention-input hooks on ``model`` while the context lasts; ``backend`` itself
+    when there is no observer."""
+    if observer is None:
+        yield backend
+        return
+    with observer.hooks(model):
+        yield ObservingBackend(backend, observer)
+
+
 class QueryProjector:
     """``project(layer, x, positions) -> (S, H_q, d)``: the layer's ``q_proj`` of
     ``x`` ``(S, D)``, RoPE at text positions ``positions`` ``(S,)`` (for M-RoPE

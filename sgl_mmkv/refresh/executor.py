@@ -28,13 +28,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-from sgl_mmkv.eviction.observer import ObservingBackend, PrefillObserver
+from sgl_mmkv.eviction.observer import PrefillObserver, observing
 from sgl_mmkv.eviction.ranker import FillRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
@@ -199,12 +198,10 @@ class RefreshExecutor:
             backend = RefreshAttentionBackend(
                 model_runner.req_to_token_pool, model_runner.token_to_kv_pool, positions, capture
             )
-        if observer is not None:
-            backend = ObservingBackend(backend, observer)
         with (
+            observing(observer, model_runner.model, backend) as backend,
             forward_context(ForwardContext(attn_backend=backend), forward_batch=sub),
             embedding_pass(embeddings),
-            observer.hooks(model_runner.model) if observer is not None else nullcontext(),
         ):
             return run_extend(sub)
 
@@ -224,10 +221,9 @@ class RefreshExecutor:
         """The stock extend of the whole batch, observed for eviction ranking if asked."""
         if observer is None:
             return run_extend(forward_batch)
-        backend = ObservingBackend(model_runner.attn_backend, observer)
         with (
+            observing(observer, model_runner.model, model_runner.attn_backend) as backend,
             forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch),
-            observer.hooks(model_runner.model),
         ):
             return run_extend(forward_batch)
 

@@ -130,9 +130,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             return stock_evict(params, **kwargs)
         allocator = self.token_to_kv_pool_allocator
         target = allocator.available_size() + params.num_tokens
-        compressed = 0
-        if self.mmkv_config.uses_scored_eviction and params.num_tokens > 0:
-            compressed = store.compress_lru(params.num_tokens, self.mmkv_config.mm_kv_budget)
+        compressed = store.compress_for(params.num_tokens)
         remaining = max(0, target - allocator.available_size())
         result = stock_evict(dataclasses.replace(params, num_tokens=remaining), **kwargs)
         result.num_tokens_evicted += compressed

@@ -203,8 +203,8 @@ class SegmentStore:
         eviction), then drop least recently used segments. Only the store's own
         slots are touched, never the radix tree's or a running request's."""
         short = n - self.allocator.available_size()
-        if short > 0 and self.compress_budget is not None:
-            short -= self.compress_lru(short, self.compress_budget)
+        if short > 0:
+            short -= self.compress_for(short)
         if short > 0 and self._num_tokens >= short:
             self.evict_lru(short)
 
@@ -262,6 +262,14 @@ class SegmentStore:
                 break
             freed += self.compress(segment, budget)
         return freed
+
+    def compress_for(self, num_tokens: int) -> int:
+        """Free up to ``num_tokens`` slots by compressing least recently used segments
+        to the store's ``compress_budget``; 0 without scored eviction. Returns the
+        slots freed."""
+        if self.compress_budget is None or num_tokens <= 0:
+            return 0
+        return self.compress_lru(num_tokens, self.compress_budget)
 
     def clear(self, free_slots: bool) -> None:
         """Drop every segment; ``free_slots=False`` when the allocator is being

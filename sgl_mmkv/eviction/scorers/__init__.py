@@ -8,7 +8,7 @@ from __future__ import annotations
 from sgl_mmkv.eviction.scorers.aircache import AirCacheScorer
 from sgl_mmkv.eviction.scorers.mmshiftkv import MMShiftKVScorer
 from sgl_mmkv.eviction.scorers.snapkv import SnapKVScorer
-from sgl_mmkv.refresh.scorers.base import RefreshScorer
+from sgl_mmkv.refresh.scorers.base import RefreshScorer, build_scorer
 
 EVICTION_SCORERS: dict[str, type[RefreshScorer]] = {
     cls.name: cls for cls in (AirCacheScorer, MMShiftKVScorer, SnapKVScorer)
@@ -16,12 +16,7 @@ EVICTION_SCORERS: dict[str, type[RefreshScorer]] = {
 
 
 def make_eviction_scorer(name: str, **knobs) -> RefreshScorer:
-    try:
-        return EVICTION_SCORERS[name](**knobs)
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction scorer {name!r}; choose one of {', '.join(EVICTION_SCORERS)}"
-        ) from None
+    return build_scorer(EVICTION_SCORERS, "eviction", name, **knobs)
 
 
 __all__ = ["EVICTION_SCORERS", "make_eviction_scorer"]

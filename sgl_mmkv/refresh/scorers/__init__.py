@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sgl_mmkv.refresh.scorers.base import RefreshScorer, ScoringInputs, budget_count
+from sgl_mmkv.refresh.scorers.base import RefreshScorer, ScoringInputs, budget_count, build_scorer
 from sgl_mmkv.refresh.scorers.baselines import (
     CacheBlendScorer,
     FirstTokensScorer,
@@ -28,12 +28,7 @@ SCORERS: dict[str, type[RefreshScorer]] = {
 
 
 def make_scorer(name: str, **knobs) -> RefreshScorer:
-    try:
-        return SCORERS[name](**knobs)
-    except KeyError:
-        raise ValueError(
-            f"unknown refresh scorer {name!r}; choose one of {', '.join(SCORERS)}"
-        ) from None
+    return build_scorer(SCORERS, "refresh", name, **knobs)
 
 
 __all__ = ["SCORERS", "RefreshScorer", "ScoringInputs", "budget_count", "make_scorer"]

@@ -105,3 +105,11 @@ class RefreshScorer(ABC):
             )
         top = torch.topk(scores.float(), k, sorted=False).indices
         return inputs.visual_positions[top].sort().values
+
+
+def build_scorer(registry: dict[str, type[RefreshScorer]], kind: str, name: str, **knobs):
+    """``registry[name](**knobs)``, with an error naming ``kind`` and the choices for an
+    unknown ``name``."""
+    if name not in registry:
+        raise ValueError(f"unknown {kind} scorer {name!r}; choose one of {', '.join(registry)}")
+    return registry[name](**knobs)
