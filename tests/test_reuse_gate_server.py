@@ -4,7 +4,6 @@ saves is reused."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from sgl_mmkv.testing.fidelity_bench import FidelityClient
@@ -23,20 +22,12 @@ def server(tiny_vlm, tmp_path_factory):
 
 
 def _chat(server, system: str, images: list) -> tuple[str, dict]:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-    r = client.chat.completions.create(
-        model="default",
-        messages=[
-            {"role": "system", "content": system},
-            user_message("Describe the images.", images),
-        ],
-        max_tokens=6,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=5,
-    )
-    first = r.choices[0].logprobs.content[0]
-    return r.choices[0].message.content, {t.token: t.logprob for t in first.top_logprobs}
+    messages = [
+        {"role": "system", "content": system},
+        user_message("Describe the images.", images),
+    ]
+    reply = FidelityClient(server.base_url).chat(messages)
+    return reply.text, reply.first_top_logprobs
 
 
 def _delta(after: dict, before: dict, key: str) -> int:

@@ -38,6 +38,29 @@ def unchanged_prefix(plan: RequestPlan, selected: torch.Tensor, deviation_pass: 
     return first
 
 
+def refresh_rows(
+    plan: RequestPlan,
+    fresh: torch.Tensor,
+    selected: torch.Tensor,
+    after_scoring_pass: bool,
+    skip: int = 0,
+) -> torch.Tensor:
+    """``(extend_len,)`` bool: the extend tokens the refresh pass of ``plan`` computes.
+
+    Args:
+        fresh: ``(extend_len,)`` bool, the tokens not served from a segment.
+        selected: ``(k,)`` row positions of the reused tokens to refresh.
+        after_scoring_pass: an earlier pass (scoring or CacheBlend's) computed the
+            fresh tokens, so the tokens a compressed segment lacks are not run again.
+        skip: leading tokens whose KV is final already (:func:`unchanged_prefix`).
+    """
+    rows = fresh & ~plan.dropped_mask() if after_scoring_pass else fresh.clone()
+    rows[selected - plan.prefix_len] = True
+    rows[:skip] = False
+    rows[-1] = True  # every request keeps its last row for the logits
+    return rows
+
+
 def reuse_flops(
     shape: DecoderShape, plan: RequestPlan, scorer: RefreshScorer, budget: float
 ) -> int:
@@ -46,23 +69,20 @@ def reuse_flops(
     The refresh pass is bounded from above: its ``ceil(budget * image tokens)``
     selected tokens are taken as the last reused ones and nothing before the first
     reused token is assumed skipped."""
-    extend_len = plan.seq_len - plan.prefix_len
     positions = torch.arange(plan.prefix_len, plan.seq_len)
-    reused = plan.reused_mask()
-    last = torch.zeros(extend_len, dtype=torch.bool)
-    last[-1] = True
+    fresh = ~plan.reused_mask()
+    reused_rows = (~fresh).nonzero().flatten()
     total = 0
-    refresh = ~reused | last
     if scorer.needs_fresh_kv:
         total += shape.extend_flops(plan.prefix_len, plan.seq_len)
     if scorer.needs_attention:
-        total += shape.pass_flops(positions[refresh])
-    if scorer.needs_attention or scorer.needs_fresh_kv:
-        refresh = refresh & ~plan.dropped_mask()
-        refresh[: int(reused.nonzero()[0])] = False
-        refresh |= last
+        scoring = fresh.clone()
+        scoring[-1] = True
+        total += shape.pass_flops(positions[scoring])
+    after_scoring_pass = scorer.needs_attention or scorer.needs_fresh_kv
     num_image_tokens = sum(s.end - s.start for s in plan.spans)
     k = budget_count(budget, num_image_tokens)
-    if k:
-        refresh[reused.nonzero().flatten()[-k:]] = True
-    return total + shape.pass_flops(positions[refresh])
+    selected = reused_rows[reused_rows.numel() - k :] + plan.prefix_len
+    skip = int(reused_rows[0]) if after_scoring_pass else 0
+    rows = refresh_rows(plan, fresh, selected, after_scoring_pass, skip)
+    return total + shape.pass_flops(positions[rows])

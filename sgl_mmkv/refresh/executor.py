@@ -37,7 +37,7 @@ from sgl_mmkv.eviction.observer import PrefillObserver, observing
 from sgl_mmkv.eviction.ranker import FillRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
-from sgl_mmkv.refresh.cost import reuse_flops, unchanged_prefix
+from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
@@ -148,12 +148,8 @@ class RefreshExecutor:
         computed = self.scorer.needs_attention or self.scorer.needs_fresh_kv
         active = []
         for plan, mask, chosen in zip(plans, fresh, selected, strict=True):
-            mask = mask & ~plan.dropped_mask() if computed else mask.clone()
-            mask[chosen - plan.prefix_len] = True
-            if computed:
-                mask[: unchanged_prefix(plan, chosen, self.scorer.needs_fresh_kv)] = False
-            mask[-1] = True
-            active.append(mask)
+            skip = unchanged_prefix(plan, chosen, self.scorer.needs_fresh_kv) if computed else 0
+            active.append(refresh_rows(plan, mask, chosen, computed, skip))
         observer = self.ranker.observer_for(plans, active) if self.ranker is not None else None
         out = self._run_pass(
             run_extend, model_runner, forward_batch, active, embeddings, observer=observer
