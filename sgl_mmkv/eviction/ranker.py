@@ -13,7 +13,7 @@ import torch
 
 from sgl_mmkv.eviction.observer import PrefillObserver, QueryProjector
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.refresh.row_kv import row_kv
+from sgl_mmkv.refresh.row_kv import row_keys
 from sgl_mmkv.refresh.scorers import RefreshScorer, ScoringInputs
 
 
@@ -63,7 +63,7 @@ class FillRanker:
         query_positions = positions[observer.rows[plan.index]]
         per_layer = observer.queries[plan.index]
         layers = sorted(per_layer)
-        keys, _ = row_kv(model_runner, forward_batch, plan.index)
+        keys = row_keys(model_runner, forward_batch, plan.index)
         stats = observer.hidden_stats.get(plan.index, {})
         inputs = ScoringInputs(
             queries=tuple(per_layer[layer] for layer in layers),
