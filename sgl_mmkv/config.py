@@ -45,6 +45,8 @@ DEFAULT_KV_BUDGET = 0.5
 COMPRESS_TRIGGERS: dict[str, str] = {
     "pressure": "when an allocation finds the pool short (before whole segments go)",
     "fill": "as soon as it is stored (more images in the same memory)",
+    "decode": "after each request's prefill, its own row keeps its top visual tokens for "
+    "decoding (M-RoPE models; the request is not inserted into the radix tree)",
 }
 DEFAULT_COMPRESS_AT = "pressure"
 # --mm-reuse-gate: whether a matched image is reused when reuse costs more.
@@ -143,6 +145,11 @@ class MMKVConfig:
     def uses_scored_eviction(self) -> bool:
         """Whether segments are ranked at fill and compressed (an ``--mm-evict`` scorer)."""
         return self.mm_evict != DEFAULT_EVICTION
+
+    @property
+    def compresses_at_decode(self) -> bool:
+        """Whether running requests' rows shrink after prefill (``--mm-compress-at decode``)."""
+        return self.uses_scored_eviction and self.mm_compress_at == "decode"
 
     @property
     def uses_mmkv_cache(self) -> bool:

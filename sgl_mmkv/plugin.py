@@ -42,6 +42,10 @@ def _install(config) -> None:
 
         eager_runner_execute_extend.register()
         mm_embed_routine.register()
+    if config is not None and config.compresses_at_decode:
+        from sgl_mmkv.patches import batch_result_processor_prefill
+
+        batch_result_processor_prefill.register()
 
 
 def load() -> None:

@@ -6,6 +6,10 @@
   only; the rest is recomputed and the request is answered.
 - Memory pressure (more distinct images than the pool holds) compresses segments
   before whole ones go; every request is answered and the slot ledger is exact.
+- Decode-time compression (``--mm-compress-at decode``): at budget 1.0 answers equal
+  the uncompressed server's; at 0.5 each running request frees exactly the dropped
+  image tokens after prefill, decodes to the end, stays out of the radix tree, and
+  the ledger returns to its start.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ def servers(tiny_vlm, tmp_path_factory):
         "mmshiftkv_pressure": _server_args(
             480, "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.25"
         ),
+        "snapkv_decode_full": _server_args(
+            2048, "--mm-evict", "snapkv", "--mm-kv-budget", "1.0", "--mm-compress-at", "decode"
+        ),
+        "snapkv_decode": _server_args(
+            2048, "--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "decode"
+        ),
     }
     procs = {
         name: ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name)
@@ -68,15 +78,20 @@ def _stats(server) -> dict:
     return mmkv_stats(server.base_url)
 
 
-def _chat(server, system: str, images: list, max_tokens: int = 6):
-    r = _client(server).chat.completions.create(
+def _completion(server, system: str, images: list, max_tokens: int = 6, **extra):
+    return _client(server).chat.completions.create(
         model="default",
         messages=[{"role": "system", "content": system}, user_message("Describe.", images)],
         max_tokens=max_tokens,
         temperature=0,
         logprobs=True,
         top_logprobs=5,
+        extra_body=extra or None,
     )
+
+
+def _chat(server, system: str, images: list, max_tokens: int = 6):
+    r = _completion(server, system, images, max_tokens)
     first = r.choices[0].logprobs.content[0]
     return r.choices[0].message.content, {t.token: t.logprob for t in first.top_logprobs}
 
@@ -144,3 +159,62 @@ def test_memory_pressure_compresses_before_evicting_and_answers_everything(serve
     requests.post(server.base_url + "/flush_cache", timeout=30)
     end = _stats(server)["pool"]
     assert end["available"] == start["available"] and end["store"] == 0
+
+
+def _decoded(server, system: str, images: list, max_tokens: int = 8) -> list[str]:
+    """The tokens of a reply that decodes ``max_tokens`` tokens (EOS ignored)."""
+    r = _completion(server, system, images, max_tokens, ignore_eos=True)
+    assert r.usage.completion_tokens == max_tokens
+    return [t.token for t in r.choices[0].logprobs.content]
+
+
+def test_decode_compression_at_budget_one_answers_as_the_uncompressed_server(servers):
+    images = [make_image(700 + i) for i in range(3)]
+    replies = {
+        name: _decoded(servers[name], "Decode all of it.", images)
+        for name in ("lru", "snapkv_decode_full")
+    }
+    assert replies["snapkv_decode_full"] == replies["lru"]
+    counters = _stats(servers["snapkv_decode_full"])["decode_compression"]
+    assert counters["compressed_requests"] == 0 and counters["freed_tokens"] == 0
+
+
+def test_decode_compression_frees_the_dropped_tokens_of_running_requests(servers):
+    server = servers["snapkv_decode"]
+    requests.post(server.base_url + "/flush_cache", timeout=30)
+    start = _stats(server)
+    images = [[make_image(800 + 3 * i + j) for j in range(3)] for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:  # prefilled together: rows of one batch shrink
+        replies = list(
+            pool.map(lambda i: _decoded(server, f"Running request {i}.", images[i]), range(3))
+        )
+    first_tokens = [_decoded(servers["lru"], f"Running request {i}.", images[i]) for i in range(3)]
+    for reply, stock in zip(replies, first_tokens, strict=True):
+        assert reply[0] == stock[0]  # the prefill (first token) is untouched
+    after = _stats(server)
+    dropped = TOKENS_PER_IMAGE - math.ceil(0.5 * TOKENS_PER_IMAGE)
+    assert _delta(after, start, "decode_compression", "compressed_requests") == 3
+    assert _delta(after, start, "decode_compression", "freed_tokens") == 3 * 3 * dropped
+    ledger = after["pool"]
+    assert ledger["free_unique"] and ledger["in_use"] == 0
+    assert ledger["tree"] == start["pool"]["tree"]  # compressed rows stay out of the tree
+    assert after["store"]["fills"] - start["store"]["fills"] == 9  # images stored whole
+    # The same images in another order: reused from the store, compressed again.
+    reused = _decoded(server, "Another order.", images[0][::-1])
+    again = _stats(server)
+    assert len(reused) == 8
+    assert _delta(again, after, "refresh", "reused_tokens") == 3 * TOKENS_PER_IMAGE
+    assert _delta(again, after, "decode_compression", "freed_tokens") == 3 * dropped
+    requests.post(server.base_url + "/flush_cache", timeout=30)
+    end = _stats(server)["pool"]
+    assert end["available"] == end["size"] and end["free_unique"]
+
+
+def test_decode_compression_leaves_a_one_token_request_to_the_tree(servers):
+    server = servers["snapkv_decode"]
+    before = _stats(server)
+    text, _ = _chat(server, "One token only.", [make_image(900)], max_tokens=1)
+    after = _stats(server)
+    assert isinstance(text, str)
+    assert _delta(after, before, "decode_compression", "compressed_requests") == 0
+    assert after["pool"]["tree"] > before["pool"]["tree"]  # inserted as stock would

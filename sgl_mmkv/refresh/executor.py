@@ -34,7 +34,7 @@ import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from sgl_mmkv.eviction.observer import PrefillObserver, observing
-from sgl_mmkv.eviction.ranker import FillRanker
+from sgl_mmkv.eviction.ranker import Span, VisualRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
 from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, unchanged_prefix
@@ -92,9 +92,11 @@ class RefreshExecutor:
         gate: ``--mm-reuse-gate``: ``cost`` serves a request as stock does when its
             reuse would compute more than its full prefill (``cost.py``); ``always``
             reuses every match.
-        ranker: ranks new segments' tokens for scored eviction (``--mm-evict``).
+        ranker: ranks images' tokens for scored eviction (``--mm-evict``).
         compress_on_fill: compress each ranked segment as soon as it is stored
             (``--mm-compress-at fill``) to ``ranker.budget``.
+        decode_compressor: receives each extend's rankings to shrink the requests'
+            own rows after prefill (``--mm-compress-at decode``).
     """
 
     def __init__(
@@ -104,8 +106,9 @@ class RefreshExecutor:
         budget: float,
         fill_policy: str = "first",
         gate: str = "cost",
-        ranker: FillRanker | None = None,
+        ranker: VisualRanker | None = None,
         compress_on_fill: bool = False,
+        decode_compressor=None,
     ) -> None:
         self.store = store
         self.scorer = scorer
@@ -113,7 +116,9 @@ class RefreshExecutor:
         self.gate = gate
         self.ranker = ranker
         self.counters = RefreshCounters()
-        self.filler = SegmentFiller(store, self.counters, fill_policy, ranker, compress_on_fill)
+        self.decode_compressor = decode_compressor
+        compress_budget = ranker.budget if ranker is not None and compress_on_fill else None
+        self.filler = SegmentFiller(store, self.counters, fill_policy, compress_budget)
         self._inv_freq: torch.Tensor | None = None
         self._shape: DecoderShape | None = None
 
@@ -129,8 +134,9 @@ class RefreshExecutor:
             observer = self.ranker.observer_for(plans) if self.ranker is not None else None
             out = self._run_observed(run_extend, model_runner, forward_batch, observer)
             self.counters.executed_flops += full_flops
+            rankings = self._rank(observer, model_runner, forward_batch, plans, None)
             self.filler.fill(
-                self._pass_runner(run_extend), model_runner, forward_batch, plans, None, observer
+                self._pass_runner(run_extend), model_runner, forward_batch, plans, None, rankings
             )
             self._report(forward_batch, plans, None, out, 0.0)
             return out
@@ -154,17 +160,33 @@ class RefreshExecutor:
         out = self._run_pass(
             run_extend, model_runner, forward_batch, active, embeddings, observer=observer
         )
+        rankings = self._rank(observer, model_runner, forward_batch, plans, active)
         self.filler.fill(
-            self._pass_runner(run_extend),
-            model_runner,
-            forward_batch,
-            plans,
-            embeddings,
-            observer,
-            active,
+            self._pass_runner(run_extend), model_runner, forward_batch, plans, embeddings, rankings
         )
         self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
         return out
+
+    # -- eviction ranking -----------------------------------------------------------------
+
+    def _rank(self, observer, model_runner, forward_batch, plans, active):
+        """Rank the observed images once, for the segment store's new segments (returned,
+        content key -> ``(n,)``) and for decode-time compression (handed over)."""
+        if observer is None:
+            return None
+        started = time.perf_counter()
+        ranked: dict[int, dict[Span, torch.Tensor]] = self.ranker.rank_batch(
+            observer, model_runner, forward_batch, plans, active
+        )
+        self.counters.ranking_seconds += time.perf_counter() - started
+        if self.decode_compressor is not None:
+            self.decode_compressor.plan(forward_batch, plans, ranked)
+        return {
+            fill.key: ranked[plan.index][(fill.start, fill.end)]
+            for plan in plans
+            for fill in plan.fills
+            if (fill.start, fill.end) in ranked.get(plan.index, {})
+        }
 
     # -- passes ---------------------------------------------------------------------------
 

@@ -9,27 +9,24 @@ scored eviction each new segment carries the ranking of its tokens, and with
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
-from sgl_mmkv.eviction.observer import PrefillObserver
-from sgl_mmkv.eviction.ranker import FillRanker
 from sgl_mmkv.refresh.attention_backend import GroupLocalAttentionBackend
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.segments.store import SegmentStore
+from sgl_mmkv.segments.store import SegmentKey, SegmentStore
 
 
 class SegmentFiller:
     """Args:
     store: the segment store.
-    counters: the executor's ``RefreshCounters`` (FLOPs, ranking time).
+    counters: the executor's ``RefreshCounters`` (FLOPs).
     fill_policy: ``first`` or ``canonical``.
-    ranker: ranks new segments for scored eviction, or None.
-    compress_on_fill: compress each ranked segment as soon as it is stored.
+    compress_budget: compress each ranked segment to this budget as soon as it is
+        stored (``--mm-compress-at fill``); None keeps it whole.
     """
 
     def __init__(
@@ -37,14 +34,12 @@ class SegmentFiller:
         store: SegmentStore,
         counters,
         fill_policy: str = "first",
-        ranker: FillRanker | None = None,
-        compress_on_fill: bool = False,
+        compress_budget: float | None = None,
     ) -> None:
         self.store = store
         self.counters = counters
         self.fill_policy = fill_policy
-        self.ranker = ranker
-        self.compress_on_fill = compress_on_fill
+        self.compress_budget = compress_budget
 
     def fill(
         self,
@@ -53,13 +48,13 @@ class SegmentFiller:
         forward_batch,
         plans: list[RequestPlan],
         embeddings: EmbeddingPass | None,
-        observer: PrefillObserver | None,
-        active: list[torch.Tensor] | None = None,
+        rankings: dict[SegmentKey, torch.Tensor] | None = None,
     ) -> None:
-        """Store the batch's new images, ranked for eviction when ``observer`` is set.
-        ``canonical`` needs the token before the image in this extend; an image
-        without it is copied as under ``first``."""
-        rankings = self._rank_fills(model_runner, forward_batch, plans, observer, active)
+        """Store the batch's new images, each with its eviction ranking from
+        ``rankings`` (content key -> ``(n,)``) when it has one. ``canonical`` needs
+        the token before the image in this extend; an image without it is copied as
+        under ``first``."""
+        rankings = rankings or {}
         canonical = []
         for plan in plans:
             for fill in plan.fills:
@@ -75,26 +70,11 @@ class SegmentFiller:
             self._fill_canonical(
                 run_pass, model_runner, forward_batch, canonical, embeddings, rankings
             )
-        if self.compress_on_fill:
+        if self.compress_budget is not None:
             for key in rankings:
                 segment = self.store.peek(key)
                 if segment is not None:
-                    self.store.compress(segment, self.ranker.budget)
-
-    def _rank_fills(self, model_runner, forward_batch, plans, observer, active) -> dict:
-        """Content key -> ``(n,)`` eviction ranking of each new image's tokens."""
-        if observer is None:
-            return {}
-        started = time.perf_counter()
-        rankings = {}
-        for plan in plans:
-            if plan.fills and plan.index in observer.queries:
-                mask = None if active is None else active[plan.index]
-                ranked = self.ranker.rankings(observer, model_runner, forward_batch, plan, mask)
-                for fill, ranking in zip(plan.fills, ranked, strict=True):
-                    rankings[fill.key] = ranking
-        self.counters.ranking_seconds += time.perf_counter() - started
-        return rankings
+                    self.store.compress(segment, self.compress_budget)
 
     def _copy_fill(self, model_runner, forward_batch, plan, fill, rankings=None) -> None:
         """Store ``fill`` from the KV the request computed for it (policy ``first``)."""

@@ -60,6 +60,7 @@ class RequestPlan:
     spans: list[ReuseSpan] = field(default_factory=list)
     fills: list[FillCandidate] = field(default_factory=list)
     visual: torch.Tensor | None = None  # (extend_len,) bool: image tokens of the extend
+    images: list[tuple[int, int]] = field(default_factory=list)  # images wholly in the extend
 
     def text_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True for the extend's non-image tokens."""
@@ -130,6 +131,8 @@ def plan_request(
             plan.visual[lo - prefix_len : hi - prefix_len] = True
         if end > seq_len:
             continue
+        if start >= prefix_len:
+            plan.images.append((start, end))
         key: SegmentKey = (int(item.hash), end - start)
         positions = row_positions(mm_inputs, start, end)
         if start >= prefix_len:

@@ -52,6 +52,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             )
         self.segment_store: SegmentStore | None = None  # read by reset() in super().__init__
         self.refresh_executor = None
+        self.decode_compressor = None  # read by the prefill-result patch
         super().__init__(params)
         self.mmkv_config: MMKVConfig = config
         self.segment_index = SegmentIndex()
@@ -90,10 +91,18 @@ class MMKVRadixCache(UnifiedRadixCache):
         self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool, compress)
         ranker = None
         if config.uses_scored_eviction:
-            from sgl_mmkv.eviction.ranker import FillRanker
+            from sgl_mmkv.eviction import ranker as ranking
             from sgl_mmkv.eviction.scorers import make_eviction_scorer
 
-            ranker = FillRanker(make_eviction_scorer(config.mm_evict), config.mm_kv_budget)
+            spans_of = ranking.fill_spans
+            if config.compresses_at_decode:
+                from sgl_mmkv.eviction.decode_compression import DecodeCompressor
+
+                self.decode_compressor = DecodeCompressor(config.mm_kv_budget)
+                spans_of = ranking.extend_image_spans
+            ranker = ranking.VisualRanker(
+                make_eviction_scorer(config.mm_evict), config.mm_kv_budget, spans_of
+            )
         self.refresh_executor = RefreshExecutor(
             self.segment_store,
             make_scorer(config.mm_reuse),
@@ -102,6 +111,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             gate=config.mm_reuse_gate,
             ranker=ranker,
             compress_on_fill=config.mm_compress_at == "fill",
+            decode_compressor=self.decode_compressor,
         )
         set_active_executor(self.refresh_executor)
 
@@ -139,6 +149,11 @@ class MMKVRadixCache(UnifiedRadixCache):
             result.num_tokens_evicted += store.evict_lru(shortfall)
         return result
 
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if self.decode_compressor is not None:
+            self.decode_compressor.restore(req)
+
     def reset(self) -> None:
         if self.segment_store is not None:
             # flush_cache clears the allocator right after resetting the cache.
@@ -158,6 +173,8 @@ class MMKVRadixCache(UnifiedRadixCache):
             stats["store"] = self.segment_store.stats()
             stats["refresh"] = self.refresh_executor.counters.as_dict()
             stats["pool"] = self.pool_ledger()
+        if self.decode_compressor is not None:
+            stats["decode_compression"] = self.decode_compressor.counters.as_dict()
         return stats
 
     def pool_ledger(self) -> dict[str, int | bool]:
@@ -180,4 +197,11 @@ class MMKVRadixCache(UnifiedRadixCache):
 
 def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:
     """Factory registered with ``register_radix_cache_backend``."""
+    config = active_config()
+    if config is not None and config.compresses_at_decode and not ctx.model_config.model_is_mrope:
+        raise RuntimeError(
+            "--mm-compress-at decode shortens each request's row and moves its decode "
+            "positions by M-RoPE's per-request offset; "
+            f"{ctx.model_config.hf_config.architectures} has no M-RoPE (use a Qwen2-VL-style model)"
+        )
     return create_unified_radix_cache(ctx, cache_class=MMKVRadixCache)
