@@ -23,9 +23,11 @@ from pathlib import Path
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.fidelity_bench import (
+    COLD,
     SCENARIOS,
     FidelityClient,
     PromptLayout,
+    ReferenceReplies,
     ScenarioSummary,
     format_table,
     measure,
@@ -33,7 +35,7 @@ from sgl_mmkv.testing.fidelity_bench import (
     to_json,
 )
 from sgl_mmkv.testing.fidelity_task import make_split
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
 # Scorer modes run at every --budgets value; `reuse` (budget 0) and `full` (every
@@ -56,6 +58,18 @@ def eviction_server_for(
         *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "fill"),
     ]
     return mmkv_server(extra, model, log_dir / f"evict_{evict}_{kv_budget}.log")
+
+
+def decode_compression_server_for(
+    evict: str, kv_budget: float, model: Path, log_dir: Path
+) -> ServerProcess:
+    """A ``conduit`` server whose running requests decode from their rows' top
+    ``kv_budget`` image tokens (``--mm-compress-at decode``)."""
+    extra = [
+        *("--mm-reuse", "conduit"),
+        *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "decode"),
+    ]
+    return mmkv_server(extra, model, log_dir / f"decode_{evict}_{kv_budget}.log")
 
 
 def server_for(
@@ -81,12 +95,23 @@ def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
     )
 
 
-def measure_on(server: ServerProcess, label: str, layout, examples, scenarios) -> list:
+def measure_on(
+    server: ServerProcess, label: str, layout, examples, scenarios, references=None
+) -> list:
     """Start ``server``, run every probe through it, stop it; the probe records."""
     with server:
-        records = measure(FidelityClient(server.base_url), layout, examples, scenarios)
+        client = FidelityClient(server.base_url)
+        records = measure(client, layout, examples, scenarios, references)
+        decode = mmkv_stats(server.base_url).get("decode_compression")
+        if decode is not None:
+            DECODE_COUNTERS[label] = decode
+            print(f"[fidelity] {label}: decode compression {decode}", flush=True)
     print(f"[fidelity] {label}: {len(records)} probes", flush=True)
     return records
+
+
+# label -> the server's decode-compression counters after its probes.
+DECODE_COUNTERS: dict[str, dict] = {}
 
 
 def machine_description() -> str:
@@ -101,21 +126,21 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scenarios = [s for s in SCENARIOS if any(x.scenario == s for x in summaries)]
+    scenarios = [s for s in (*SCENARIOS, COLD) if any(x.scenario == s for x in summaries)]
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4 * len(scenarios), 3.4), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios, strict=True):
         rows = [s for s in summaries if s.scenario == scenario]
         ends = {s.mode: s for s in rows if s.mode in UNBUDGETED_REFRESH}
         for i, mode in enumerate(dict.fromkeys(s.mode for s in rows)):
             mine = [s for s in rows if s.mode == mode]
-            if mode in BUDGETED_MODES or mode.startswith("kv:"):
+            if mode in BUDGETED_MODES or mode.startswith(("kv:", "decode:")):
                 points = [(s.budget, s.relative_accuracy) for s in mine]
                 if mode in BUDGETED_MODES:
                     points += [
                         (UNBUDGETED_REFRESH[m], e.relative_accuracy) for m, e in ends.items()
                     ]
                 xs, ys = zip(*sorted(points), strict=True)
-                style = "--" if mode.startswith("kv:") else "-"
+                style = "--" if mode.startswith(("kv:", "decode:")) else "-"
                 ax.plot(xs, ys, marker="o", linestyle=style, color=f"C{i}", label=mode)
             elif mode not in UNBUDGETED_REFRESH:
                 ax.axhline(mine[0].relative_accuracy, linestyle=":", color=f"C{i}", label=f"{mode}")
@@ -148,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="eviction scorers (e.g. aircache,mmshiftkv,snapkv): a conduit server per scorer "
         "and --kv-budgets value whose segments are compressed when stored",
+    )
+    parser.add_argument(
+        "--decode-evict-modes",
+        default="",
+        help="eviction scorers for decode-time compression: a server per scorer and "
+        "--kv-budgets value, probed cold (scenario cold) against an uncompressed server",
     )
     parser.add_argument("--kv-budgets", default="0.05,0.1,0.2,0.5")
     parser.add_argument(
@@ -184,6 +215,21 @@ def main(argv: list[str] | None = None) -> int:
             )
             records[label] = measure_on(server, label, layout, examples, scenarios)
             summaries += summarise(f"kv:{evict}", records[label], kv_budget)
+    decode_modes = [m for m in args.decode_evict_modes.split(",") if m]
+    if decode_modes:
+        uncompressed = mmkv_server(
+            ["--mm-reuse", "conduit"], args.model_path, args.out_dir / "decode_reference.log"
+        )
+        with uncompressed:
+            references = ReferenceReplies(FidelityClient(uncompressed.base_url))
+            for evict in decode_modes:
+                for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
+                    label = f"decode:{evict}@{kv_budget}"
+                    server = decode_compression_server_for(
+                        evict, kv_budget, args.model_path, args.out_dir
+                    )
+                    records[label] = measure_on(server, label, layout, examples, [COLD], references)
+                    summaries += summarise(f"decode:{evict}", records[label], kv_budget)
 
     table = format_table(summaries)
     print(table)
@@ -195,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "segment_fill": args.segment_fill,
         "evict_refresh_budget": args.evict_refresh_budget,
         "seconds": round(time.monotonic() - started, 1),
+        "decode_compression": DECODE_COUNTERS,
         **to_json(summaries, records),
     }
     (args.out_dir / "fidelity.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -218,3 +218,13 @@ def test_decode_compression_leaves_a_one_token_request_to_the_tree(servers):
     assert isinstance(text, str)
     assert _delta(after, before, "decode_compression", "compressed_requests") == 0
     assert after["pool"]["tree"] > before["pool"]["tree"]  # inserted as stock would
+
+
+def test_decode_compression_refuses_a_model_without_mrope(tiny_llm, tmp_path):
+    args = _server_args(2048, "--mm-evict", "snapkv", "--mm-compress-at", "decode")
+    server = ServerProcess("sgl_mmkv.launch_server", tiny_llm, args, log_path=tmp_path / "log")
+    try:
+        with pytest.raises(RuntimeError, match="has no M-RoPE"):
+            server.start(300.0)
+    finally:
+        server.stop()

@@ -59,6 +59,7 @@ def test_budget_is_parsed():
             r"--mm-kv-budget must be in \(0, 1\], got 1.5",
         ),
         (["--mm-reuse", "conduit", "--mm-kv-budget", "0.2"], "need a scored --mm-evict"),
+        (["--mm-reuse", "conduit", "--mm-compress-at", "decode"], "need a scored --mm-evict"),
         (
             ["--mm-reuse", "conduit", "--mm-evict", "aircache", "--mm-compress-at", "now"],
             "--mm-compress-at 'now' is unknown",
@@ -87,6 +88,10 @@ def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
     assert config.mm_evict == "mmshiftkv" and config.mm_kv_budget == 0.1
     assert config.uses_scored_eviction and config.mm_compress_at == "pressure"
     assert not resolve_args(["--mm-reuse", "conduit"])[0].uses_scored_eviction
+    decode, _ = resolve_args(
+        ["--mm-reuse", "conduit", "--mm-evict", "snapkv", "--mm-compress-at", "decode"]
+    )
+    assert decode.compresses_at_decode and not config.compresses_at_decode
 
 
 def test_reuse_gate_defaults_to_cost_and_parses_always():

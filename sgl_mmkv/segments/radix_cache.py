@@ -178,8 +178,9 @@ class MMKVRadixCache(UnifiedRadixCache):
         return stats
 
     def pool_ledger(self) -> dict[str, int | bool]:
-        """Where every KV slot is: free, in the tree, in the segment store, or held
-        by running requests (``in_use``); ``free_unique`` is False after a double free."""
+        """Where every KV slot is: free, in the tree (``tree_protected`` of it locked by
+        running requests), in the segment store, or held by running requests outside
+        the tree (``in_use``); ``free_unique`` is False after a double free."""
         allocator = self.token_to_kv_pool_allocator
         free = allocator.get_all_free_pages() if hasattr(allocator, "get_all_free_pages") else None
         available = allocator.available_size()
@@ -189,6 +190,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             "size": int(allocator.size),
             "available": int(available),
             "tree": int(tree),
+            "tree_protected": int(super().protected_size()),
             "store": int(store),
             "in_use": int(allocator.size - available - tree - store),
             "free_unique": bool(free is None or free.unique().numel() == free.numel()),

@@ -13,10 +13,14 @@ Scenarios:
     reordered       images first served in another order
     multi_turn      turn 1 shows images 1..n-1; turn 2 adds image n and asks about
                     any image (the earlier ones asked about again)
+    cold            no warm-up: the probe is the prompt served cold, for servers
+                    that change decoding (``--mm-compress-at decode``); its
+                    reference comes from another, uncompressed server
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +38,7 @@ from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import mmkv_stats
 
 SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn")
+COLD = "cold"
 TOP_K = 10
 MAX_TOKENS = 6
 OTHER_SYSTEM = "You are a careful assistant that studies pictures."
@@ -168,6 +173,8 @@ def scenario_requests(
     both the cold reference and the probe send. ``part`` renders an image part."""
     canonical = chat_messages(example, part)
     n = len(example.images)
+    if scenario == COLD:
+        return [], canonical
     if scenario == "repeat":
         return [canonical], canonical
     if scenario == "changed_prefix":
@@ -179,6 +186,24 @@ def scenario_requests(
     if scenario == "multi_turn":
         return _multi_turn(canonical, n)
     raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+
+
+class ReferenceReplies:
+    """Cold replies of another server (flushed before each), each prompt served once."""
+
+    def __init__(self, client: FidelityClient) -> None:
+        self.client = client
+        self._replies: dict[str, Reply] = {}
+
+    def flush(self) -> None:
+        """Nothing to do: :meth:`chat` flushes the other server before serving."""
+
+    def chat(self, messages: list[dict]) -> Reply:
+        key = json.dumps(messages, sort_keys=True, default=str)
+        if key not in self._replies:
+            self.client.flush()
+            self._replies[key] = self.client.chat(messages)
+        return self._replies[key]
 
 
 def _multi_turn(full: list[dict], n: int) -> tuple[list[list[dict]], list[dict]]:
@@ -207,8 +232,11 @@ def measure(
     layout: PromptLayout,
     examples: Iterable[Example],
     scenarios: Iterable[str] = SCENARIOS,
+    references: FidelityClient | ReferenceReplies | None = None,
 ) -> list[ProbeRecord]:
-    """Run every scenario on every example; see the module docstring."""
+    """Run every scenario on every example; see the module docstring. The cold
+    references come from ``references`` (default: ``client`` itself)."""
+    references = references or client
     records = []
     for example in examples:
         for scenario in scenarios:
@@ -216,8 +244,8 @@ def measure(
             image_mask = layout.image_mask(
                 lambda part, ex=example, sc=scenario: scenario_requests(ex, sc, part)[1]
             )
-            client.flush()
-            reference = client.chat(final)
+            references.flush()
+            reference = references.chat(final)
             client.flush()
             for warm in warmups:
                 client.chat(warm)
