@@ -5,8 +5,10 @@ selected image tokens). Their queries sit at arbitrary positions of the row and
 attend causally *by position* over the whole row, whose KV lives in pool slots
 ``row_slots`` (fresh KV for refreshed rows, re-positioned stale KV for the rest).
 
-``scattered_attention`` runs the Triton kernel on CUDA or under
-``TRITON_INTERPRET=1`` and ``scattered_attention_sdpa`` otherwise. When the queries
+``scattered_attention`` runs ``scattered_attention_sdpa`` on every device; the
+Triton kernel (one program per query and head, no tensor cores) runs only with
+``SGL_MMKV_TRITON_ATTENTION=1``: on an H200 it measured 9x slower than masked SDPA
+at 2k-token rows and 72x at 8k (``benchmarks/gpu_kernels.py``). When the queries
 are a contiguous suffix of the row (an ordinary extend, or a refresh at budget
 1.0), the SDPA path places them in a full-length query block and runs one causal
 ``scaled_dot_product_attention``, exactly as SGLang's ``torch_native`` backend does,
@@ -20,6 +22,14 @@ from __future__ import annotations
 import os
 
 import torch
+
+TRITON_ATTENTION_ENV = "SGL_MMKV_TRITON_ATTENTION"
+
+
+def use_triton_attention(tensor: torch.Tensor) -> bool:
+    """Whether the attention Triton kernels are asked for (and can run) here."""
+    triton_runs = tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs and os.environ.get(TRITON_ATTENTION_ENV) == "1"
 
 
 def scattered_attention_reference(
@@ -101,7 +111,7 @@ def scattered_attention(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_buffer.shape[1]}")
     if int(query_positions.max()) >= row_slots.numel() or int(query_positions.min()) < 0:
         raise ValueError("a query position lies outside the row")
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not use_triton_attention(q):
         return scattered_attention_sdpa(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)
     from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
 

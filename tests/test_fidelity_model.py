@@ -15,8 +15,10 @@ import pytest
 
 from sgl_mmkv.testing.evaluate_fidelity_model import accuracy_report, full_prefill_answers
 from sgl_mmkv.testing.fidelity_bench import (
+    COLD,
     FidelityClient,
     PromptLayout,
+    ReferenceReplies,
     measure,
     summarise,
 )
@@ -58,6 +60,7 @@ def test_exact_reuse_agrees_with_full_prefill_and_stock_reuses_no_moved_image(se
     by = {s.scenario: s for s in summarise("exact", records)}
     repeat = [r for r in records if r.scenario == "repeat"]
     assert by["repeat"].first_token_agreement == 1.0
+    assert by["repeat"].reply_agreement == 1.0
     assert all(r.probe_cached_tokens == r.prompt_tokens - 1 for r in repeat)
     assert all(r.probe_cached_image_tokens == r.image_tokens == 48 for r in repeat)
     # The same images under another prefix or order: exact-prefix reuse gets none.
@@ -96,3 +99,23 @@ def test_benchmark_script_runs_end_to_end(tmp_path, tiny_vlm):
     assert all(s["n"] == 2 for s in rows.values())
     assert (tmp_path / "fidelity.png").stat().st_size > 10_000
     assert "changed_prefix" in result.stdout
+
+
+def test_cold_probes_take_their_references_from_another_client_once(server, tiny_vlm):
+    class Counting(FidelityClient):
+        chats = 0
+
+        def chat(self, messages):
+            Counting.chats += 1
+            return super().chat(messages)
+
+    references = ReferenceReplies(Counting(server.base_url))
+    examples = make_split("test", 2, num_images=2)
+    layout = PromptLayout(str(tiny_vlm))
+    client = FidelityClient(server.base_url)
+    for _ in range(2):  # the second pass is answered from the stored references
+        records = measure(client, layout, examples, [COLD], references)
+    assert Counting.chats == 2
+    (summary,) = summarise("cold", records)
+    assert summary.reply_agreement == 1.0 and summary.first_token_agreement == 1.0
+    assert all(r.probe_cached_tokens == 0 for r in records)

@@ -17,7 +17,11 @@ from sgl_mmkv.refresh.scorers.attention import attention_mass
 TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# bf16 (what VLMs are served in) on CUDA; the interpreter runs the kernels through numpy.
+KERNEL_DTYPES = [torch.float32, torch.float16] + (
+    [torch.bfloat16] if torch.cuda.is_available() else []
+)
 SHAPES = [(1, 1, 1, 8, 5), (7, 4, 2, 16, 40), (12, 6, 2, 32, 97), (3, 8, 8, 64, 33)]
 
 
@@ -34,17 +38,46 @@ def _case(n_q, h_q, h_kv, d, n, dtype, seed=0):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
 def test_scattered_attention_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
+    from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
+
     q, k, v, slots, pos = _case(n_q, h_q, h_kv, d, n, dtype)
     want = scattered_attention_reference(q, k, v, slots, pos)
-    got = scattered_attention(q, k, v, slots, pos)
+    got = scattered_attention_triton(q, k, v, slots, pos)
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_triton_kernels_run_only_when_asked(monkeypatch):
+    """Default: SDPA and the torch reduction (faster on an H200); the env var
+    switches both to Triton."""
+    from sgl_mmkv.kernels import scattered_attention as module
+    from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
+
+    q, k, v, slots, pos = _case(7, 4, 2, 16, 40, torch.float32)
+    monkeypatch.setattr(module, "scattered_attention_sdpa", lambda *a, **kw: "sdpa")
+    assert scattered_attention(q, k, v, slots, pos) == "sdpa"
+    monkeypatch.setenv(module.TRITON_ATTENTION_ENV, "1")
+    got = scattered_attention(q, k, v, slots, pos)
+    torch.testing.assert_close(got, scattered_attention_triton(q, k, v, slots, pos))
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 1000, 1 << 27])
+def test_attention_mass_is_the_same_in_any_chunking(chunk_elements, monkeypatch):
+    from sgl_mmkv.refresh.scorers import attention as module
+
+    q, k, _, slots, pos = _case(12, 6, 2, 32, 97, torch.float32, seed=5)
+    whole = module.attention_mass_reference(q.cpu(), k[slots].cpu(), pos.cpu())
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", chunk_elements)
+    chunked = module.attention_mass_reference(q.cpu(), k[slots].cpu(), pos.cpu())
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
+    assert whole.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
 def test_attention_mass_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
     from sgl_mmkv.kernels.scattered_attention_triton import attention_mass_triton

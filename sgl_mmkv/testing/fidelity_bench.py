@@ -92,6 +92,7 @@ class ScenarioSummary:
     accuracy: float
     relative_accuracy: float
     first_token_agreement: float
+    reply_agreement: float  # the probe's whole reply equals the reference's
     mean_first_token_kl: float
     mean_prompt_tokens: float
     mean_cached_tokens: float
@@ -309,6 +310,7 @@ def summarise(
                 accuracy=acc,
                 relative_accuracy=acc / full if full > 0 else float("nan"),
                 first_token_agreement=_mean([float(r.first_token_agree) for r in rs]),
+                reply_agreement=_mean([float(r.probe == r.reference) for r in rs]),
                 mean_first_token_kl=_mean([r.first_token_kl for r in rs]),
                 mean_prompt_tokens=_mean([r.prompt_tokens for r in rs]),
                 mean_cached_tokens=_mean([r.probe_cached_tokens for r in rs]),
@@ -351,7 +353,8 @@ class PromptLayout:
 def format_table(summaries: list[ScenarioSummary]) -> str:
     header = (
         f"{'mode':<13} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
-        f"{'rel acc':>7} {'1st agree':>9} {'KL':>8} {'prompt':>7} {'cached':>7} "
+        f"{'rel acc':>7} {'1st agree':>9} {'reply agree':>11} {'KL':>8} {'prompt':>7} "
+        f"{'cached':>7} "
         f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
     )
     lines = [header, "-" * len(header)]
@@ -360,8 +363,9 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
         lines.append(
             f"{s.mode:<13} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
             f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
-            f"{s.mean_first_token_kl:>8.4f} {s.mean_prompt_tokens:>7.1f} "
-            f"{s.mean_cached_tokens:>7.1f} {s.mean_cached_image_tokens:>10.1f} "
+            f"{s.reply_agreement:>11.3f} {s.mean_first_token_kl:>8.4f} "
+            f"{s.mean_prompt_tokens:>7.1f} {s.mean_cached_tokens:>7.1f} "
+            f"{s.mean_cached_image_tokens:>10.1f} "
             f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f} "
             f"{s.mean_probe_latency_s:>9.3f}"
         )

@@ -1,6 +1,9 @@
-"""Train the tiny Qwen2-VL on the synthetic multi-image task, on the CPU.
+"""Train the tiny Qwen2-VL on the synthetic multi-image task (CPU, or a GPU).
 
     python -m sgl_mmkv.testing.train_fidelity_model --out models/fidelity-qwen2-vl
+
+On a GPU (``--device cuda``) the batches are drawn and rendered by ``--workers``
+data-loader processes, each with its own seeded stream.
 
 The result is a normal checkpoint directory (see make_tiny_model) plus
 ``training.json`` with the recipe and the validation accuracy reached.
@@ -128,6 +131,45 @@ def collate(processor, examples: list[Example], rng: random.Random, follow_ups: 
     return batch
 
 
+class TrainingBatches(torch.utils.data.IterableDataset):
+    """Endless collated training batches, for data-loader workers: worker ``w`` of
+    ``W`` draws from ``Random(seed * 1000 + w)`` and counts its ``i``-th batch as
+    step ``i * W + w`` for the image-count curriculum."""
+
+    def __init__(
+        self, processor, batch_size: int, seed: int, curriculum_steps: int, follow_ups: int
+    ) -> None:
+        self.processor = processor
+        self.batch_size = batch_size
+        self.seed = seed
+        self.curriculum_steps = curriculum_steps
+        self.follow_ups = follow_ups
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rng = random.Random(self.seed * 1000 + worker)
+        step = worker
+        while True:
+            step += workers
+            examples = draw_examples(rng, self.batch_size, image_cap(step, self.curriculum_steps))
+            yield collate(self.processor, examples, rng, self.follow_ups)
+
+
+def image_cap(step: int, curriculum_steps: int) -> int:
+    """Most images per training prompt at ``step`` (the curriculum)."""
+    if curriculum_steps <= 0:
+        return MAX_IMAGES
+    return min(MAX_IMAGES, 1 + step // curriculum_steps)
+
+
+def draw_examples(rng: random.Random, batch_size: int, cap: int) -> list[Example]:
+    return [
+        make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap))
+        for _ in range(batch_size)
+    ]
+
+
 @torch.no_grad()
 def answer_accuracy(model, processor, examples: list[Example], batch_size: int = 16) -> float:
     """Teacher-forced exact match: every answer token is the argmax (fast proxy)."""
@@ -136,6 +178,7 @@ def answer_accuracy(model, processor, examples: list[Example], batch_size: int =
     correct = 0
     for start in range(0, len(examples), batch_size):
         batch = collate(processor, examples[start : start + batch_size], rng)
+        batch = batch.to(model.device)
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1]
         target = labels[:, 1:]
@@ -157,13 +200,16 @@ def train(
     num_validation: int = 128,
     curriculum_steps: int = 0,
     follow_ups: int = 0,
+    device: str = "cpu",
+    workers: int = 0,
 ) -> dict:
     """Train from random weights, or continue from the checkpoint ``init_from``.
 
     With ``curriculum_steps`` > 0 the image count is capped at
     ``1 + step // curriculum_steps`` (up to 8), so retrieval is learned on short
     prompts first. ``follow_ups`` extra questions per training row (validation
-    asks one)."""
+    asks one). ``workers`` > 0 draws batches in that many data-loader processes
+    (:class:`TrainingBatches`); 0 draws them in this process from ``seed``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -181,6 +227,16 @@ def train(
     processor = AutoProcessor.from_pretrained(staging)
     validation = [make_example("validation", i) for i in range(num_validation)]
 
+    model.to(device)
+    batches = None
+    if workers > 0:
+        loader = torch.utils.data.DataLoader(
+            TrainingBatches(processor, batch_size, seed, curriculum_steps, follow_ups),
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=4,
+        )
+        batches = iter(loader)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.3, max(0.05, 2.5 / steps))
@@ -189,12 +245,12 @@ def train(
     started = time.monotonic()
     history = []
     for step in range(1, steps + 1):
-        cap = MAX_IMAGES if curriculum_steps <= 0 else min(MAX_IMAGES, 1 + step // curriculum_steps)
-        examples = [
-            make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap))
-            for _ in range(batch_size)
-        ]
-        loss = model(**collate(processor, examples, rng, follow_ups)).loss
+        if batches is None:
+            examples = draw_examples(rng, batch_size, image_cap(step, curriculum_steps))
+            batch = collate(processor, examples, rng, follow_ups)
+        else:
+            batch = next(batches)
+        loss = model(**batch.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -211,6 +267,7 @@ def train(
             history.append(entry)
             print(json.dumps(entry), flush=True)
     model.eval()
+    model.to("cpu")
     save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
     phase = {
         "init_from": str(init_from) if init_from else None,
@@ -220,6 +277,8 @@ def train(
         "seed": seed,
         "curriculum_steps": curriculum_steps,
         "follow_ups": follow_ups,
+        "device": device,
+        "workers": workers,
         "train_seconds": round(time.monotonic() - started),
         "validation_teacher_forced_accuracy": history[-1].get("val_acc"),
         "history": history,
@@ -250,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--follow-ups", type=int, default=3, help="extra questions per training row"
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--workers", type=int, default=0, help="data-loader processes")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     record = train(
@@ -262,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         args.init_from,
         curriculum_steps=args.curriculum_steps,
         follow_ups=args.follow_ups,
+        device=args.device,
+        workers=args.workers,
     )
     print(f"validation accuracy {record['validation_teacher_forced_accuracy']}")
     return 0

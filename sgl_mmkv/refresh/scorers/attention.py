@@ -1,13 +1,19 @@
 """Torch reference of the scoring reduction: causal attention mass on each key.
 
 ``attention_mass`` is what CONDUIT and ProphetKV share, and the reference of the
-Triton scoring kernel, which it dispatches to for CUDA tensors (the scoring
-reduction of a refresh on the GPU never materialises the ``H x n_q x n`` scores).
+Triton scoring kernel. It runs in torch over chunks of queries (memory bounded by
+:data:`CHUNK_ELEMENTS` scores); the Triton kernel, which never materialises scores,
+runs only with ``SGL_MMKV_TRITON_ATTENTION=1``: on an H200 it measured 2.5-4x
+slower than the torch reduction (``benchmarks/gpu_kernels.py``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from sgl_mmkv.kernels.scattered_attention import use_triton_attention
+
+CHUNK_ELEMENTS = 1 << 27  # scores per chunk of queries: 512 MiB of float32
 
 
 def attention_mass(
@@ -30,14 +36,29 @@ def attention_mass(
     n, h_kv, _ = keys.shape
     if h_q % h_kv:
         raise ValueError(f"{h_q} query heads are not a multiple of {h_kv} KV heads")
-    if queries.is_cuda:
+    if use_triton_attention(queries):
         from sgl_mmkv.kernels.scattered_attention_triton import attention_mass_triton
 
         slots = torch.arange(n, device=keys.device)
         return attention_mass_triton(queries, keys, slots, query_positions.to(keys.device))
+    return attention_mass_reference(queries, keys, query_positions)
+
+
+def attention_mass_reference(
+    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor
+) -> torch.Tensor:
+    """:func:`attention_mass` in torch on any device, ``(H_q, chunk, n)`` scores at a time."""
+    n_q, h_q, d = queries.shape
+    n, h_kv, _ = keys.shape
     k = keys.float().repeat_interleave(h_q // h_kv, dim=1)  # (n, H_q, d)
-    logits = torch.einsum("qhd,khd->hqk", queries.float(), k) / d**0.5
-    causal = torch.arange(n)[None, :] <= query_positions[:, None]  # (n_q, n)
-    logits = logits.masked_fill(~causal[None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # (H_q, n_q, n)
-    return probs.sum(dim=(0, 1)) / (n_q * h_q)
+    positions = query_positions.to(keys.device)
+    keys_at = torch.arange(n, device=keys.device)
+    total = torch.zeros(n, dtype=torch.float32, device=keys.device)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, h_q * n))
+    for start in range(0, n_q, chunk):
+        q = queries[start : start + chunk].float()
+        logits = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        causal = keys_at[None, :] <= positions[start : start + chunk, None]  # (chunk, n)
+        logits = logits.masked_fill(~causal[None], float("-inf"))
+        total += torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # (H_q, chunk, n) -> (n,)
+    return total / (n_q * h_q)
