@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -22,7 +23,7 @@ import pytest
 import requests
 
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats, stock_cpu_env
 
 TOKENS_PER_IMAGE = 16
 
@@ -55,8 +56,13 @@ def servers(tiny_vlm, tmp_path_factory):
             2048, "--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "decode"
         ),
     }
+    configs["snapkv_decode_retracting"] = configs["snapkv_decode"]
+    # SGLang's own test switch: every third decode step retracts the running requests.
+    envs = {"snapkv_decode_retracting": {**stock_cpu_env(), "SGLANG_TEST_RETRACT": "1"}}
     procs = {
-        name: ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name)
+        name: ServerProcess(
+            "sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name, env=envs.get(name)
+        )
         for name, args in configs.items()
     }
     try:
@@ -205,6 +211,28 @@ def test_decode_compression_frees_the_dropped_tokens_of_running_requests(servers
     assert len(reused) == 8
     assert _delta(again, after, "refresh", "reused_tokens") == 3 * TOKENS_PER_IMAGE
     assert _delta(again, after, "decode_compression", "freed_tokens") == 3 * dropped
+    requests.post(server.base_url + "/flush_cache", timeout=30)
+    end = _stats(server)["pool"]
+    assert end["available"] == end["size"] and end["free_unique"]
+
+
+def test_retracted_compressed_requests_prefill_again_and_finish(servers):
+    """Retraction releases a shrunk row (its M-RoPE state put back) and the request
+    prefills again from its original inputs: all answered, nothing leaked."""
+    server = servers["snapkv_decode_retracting"]
+    images = [[make_image(950 + 3 * i + j) for j in range(3)] for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(
+            pool.map(lambda i: _decoded(server, f"Retracted {i}.", images[i], 16), range(3))
+        )
+    assert all(len(reply) == 16 for reply in replies)
+    retracted = [int(n) for n in re.findall(r"#retracted_reqs: (\d+)", server.log_text())]
+    assert sum(retracted) > 0  # SGLang's log of each test retraction
+    after = _stats(server)
+    # Each prefill after a retraction shrinks the row again.
+    assert after["decode_compression"]["compressed_requests"] > 3
+    ledger = after["pool"]
+    assert ledger["free_unique"] and ledger["in_use"] == 0
     requests.post(server.base_url + "/flush_cache", timeout=30)
     end = _stats(server)["pool"]
     assert end["available"] == end["size"] and end["free_unique"]
