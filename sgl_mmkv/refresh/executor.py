@@ -70,6 +70,14 @@ class RefreshCounters:
         return {f: getattr(self, f) for f in self.__slots__}
 
 
+def scoring_rows(fresh: torch.Tensor) -> torch.Tensor:
+    """``(extend_len,)`` bool rows the scoring pass runs: the fresh tokens and the last
+    prompt token (the logits processor reads every request's last row)."""
+    rows = fresh.clone()
+    rows[-1] = True
+    return rows
+
+
 def rope_inv_freq_of(model) -> torch.Tensor:
     """``(rotary_dim // 2,)`` float32 inverse frequencies of the decoder's RoPE."""
     for module in model.modules():
@@ -259,11 +267,7 @@ class RefreshExecutor:
                 if plan.spans:
                     rows[plan.index] = self._query_rows(plan, mask)
             captures = QueryCapture(rows)
-            active = []
-            for mask in fresh:
-                mask = mask.clone()
-                mask[-1] = True
-                active.append(mask)
+            active = [scoring_rows(mask) for mask in fresh]
             self._run_pass(run_extend, model_runner, forward_batch, active, embeddings, captures)
         selected = []
         for plan in plans:
@@ -305,9 +309,7 @@ class RefreshExecutor:
     def _query_rows(plan: RequestPlan, fresh_mask: torch.Tensor) -> torch.Tensor:
         """Rows (within the request's active tokens of the scoring pass) of the query
         span: fresh tokens after the last reused image, else all fresh tokens."""
-        mask = fresh_mask.clone()
-        mask[-1] = True
-        positions = mask.nonzero().flatten() + plan.prefix_len
+        positions = scoring_rows(fresh_mask).nonzero().flatten() + plan.prefix_len
         last_image_end = max(s.end for s in plan.spans)
         tail = (positions >= last_image_end).nonzero().flatten()
         return tail if tail.numel() else torch.arange(positions.numel())
@@ -319,9 +321,7 @@ class RefreshExecutor:
             return ScoringInputs((), (), (), empty, spans)
         keys, values = row_kv(model_runner, forward_batch, plan.index)
         per_layer = captures.queries[plan.index]
-        fresh = ~plan.reused_mask()
-        fresh[-1] = True
-        positions = fresh.nonzero().flatten() + plan.prefix_len
+        positions = scoring_rows(~plan.reused_mask()).nonzero().flatten() + plan.prefix_len
         query_positions = positions[captures.rows[plan.index]]
         queries = tuple(per_layer[layer] for layer in sorted(per_layer))
         return ScoringInputs(queries, keys, values, query_positions, spans)
