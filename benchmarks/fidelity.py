@@ -146,7 +146,7 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
                 ax.axhline(mine[0].relative_accuracy, linestyle=":", color=f"C{i}", label=f"{mode}")
         ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
         ax.set_title(scenario)
-        ax.set_xlabel("refresh budget (kv: lines: kept fraction of each segment)")
+        ax.set_xlabel("refresh budget; kv:/decode: lines: kept fraction")
         ax.set_ylabel("accuracy / full-prefill accuracy")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.1)
