@@ -38,6 +38,14 @@ def unchanged_prefix(plan: RequestPlan, selected: torch.Tensor, deviation_pass: 
     return first
 
 
+def scoring_rows(fresh: torch.Tensor) -> torch.Tensor:
+    """``(extend_len,)`` bool rows the scoring pass runs: the fresh tokens and the last
+    prompt token (the logits processor reads every request's last row)."""
+    rows = fresh.clone()
+    rows[-1] = True
+    return rows
+
+
 def refresh_rows(
     plan: RequestPlan,
     fresh: torch.Tensor,
@@ -76,9 +84,7 @@ def reuse_flops(
     if scorer.needs_fresh_kv:
         total += shape.extend_flops(plan.prefix_len, plan.seq_len)
     if scorer.needs_attention:
-        scoring = fresh.clone()
-        scoring[-1] = True
-        total += shape.pass_flops(positions[scoring])
+        total += shape.pass_flops(positions[scoring_rows(fresh)])
     after_scoring_pass = scorer.needs_attention or scorer.needs_fresh_kv
     num_image_tokens = sum(s.end - s.start for s in plan.spans)
     k = budget_count(budget, num_image_tokens)

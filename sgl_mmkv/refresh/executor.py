@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -37,7 +38,7 @@ from sgl_mmkv.eviction.observer import PrefillObserver, observing
 from sgl_mmkv.eviction.ranker import Span, VisualRanker
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
-from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, unchanged_prefix
+from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
@@ -46,6 +47,9 @@ from sgl_mmkv.refresh.row_kv import row_kv
 from sgl_mmkv.refresh.scorers import RefreshScorer, ScoringInputs
 from sgl_mmkv.refresh.sub_batch import active_sub_batch
 from sgl_mmkv.segments.store import SegmentStore
+
+if TYPE_CHECKING:
+    from sgl_mmkv.eviction.decode_compression import DecodeCompressor
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +72,6 @@ class RefreshCounters:
 
     def as_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
-
-
-def scoring_rows(fresh: torch.Tensor) -> torch.Tensor:
-    """``(extend_len,)`` bool rows the scoring pass runs: the fresh tokens and the last
-    prompt token (the logits processor reads every request's last row)."""
-    rows = fresh.clone()
-    rows[-1] = True
-    return rows
 
 
 def rope_inv_freq_of(model) -> torch.Tensor:
@@ -116,7 +112,7 @@ class RefreshExecutor:
         gate: str = "cost",
         ranker: VisualRanker | None = None,
         compress_on_fill: bool = False,
-        decode_compressor=None,
+        decode_compressor: DecodeCompressor | None = None,
     ) -> None:
         self.store = store
         self.scorer = scorer
