@@ -28,7 +28,7 @@ import torch
 
 from sgl_mmkv.eviction.ranker import Span
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.refresh.scorers.base import budget_count
+from sgl_mmkv.refresh.scorers.base import top_tokens
 
 
 @dataclass(slots=True)
@@ -61,9 +61,8 @@ def dropped_positions(budget: float, ranked: dict[Span, torch.Tensor]) -> torch.
     """``(d,)`` sorted row positions outside each image's top ``ceil(budget * n)``."""
     drop = []
     for (start, _end), ranking in ranked.items():
-        n = ranking.numel()
-        keep = torch.zeros(n, dtype=torch.bool)
-        keep[torch.topk(ranking, budget_count(budget, n), sorted=False).indices] = True
+        keep = torch.zeros(ranking.numel(), dtype=torch.bool)
+        keep[top_tokens(ranking, budget)] = True
         drop.append((~keep).nonzero().flatten() + start)
     if not drop:
         return torch.empty(0, dtype=torch.long)

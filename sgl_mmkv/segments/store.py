@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from sgl_mmkv.refresh.scorers.base import budget_count
+from sgl_mmkv.refresh.scorers.base import top_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -238,10 +238,9 @@ class SegmentStore:
         if segment.compressed or segment.ranking is None or not segment.alive or segment.pinned:
             return 0
         n = segment.image_tokens
-        k = budget_count(budget, n)
-        if k >= n:
+        keep = top_tokens(segment.ranking, budget)
+        if keep.numel() >= n:
             return 0
-        keep = torch.topk(segment.ranking, k, sorted=False).indices.sort().values
         dropped = torch.ones(n, dtype=torch.bool)
         dropped[keep] = False
         self.allocator.free(segment.slots[dropped.to(segment.slots.device)])

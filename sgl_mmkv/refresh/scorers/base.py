@@ -75,6 +75,13 @@ def budget_count(budget: float, num_visual: int) -> int:
     return min(num_visual, math.ceil(budget * num_visual - 1e-9))
 
 
+def top_tokens(ranking: torch.Tensor, budget: float) -> torch.Tensor:
+    """``(k,)`` sorted indices of the ``budget_count(budget, n)`` highest of the ``(n,)``
+    ``ranking``: the tokens an eviction budget keeps."""
+    k = budget_count(budget, ranking.numel())
+    return torch.topk(ranking, k, sorted=False).indices.sort().values
+
+
 class RefreshScorer(ABC):
     """Scores visual tokens; higher means more worth recomputing."""
 
