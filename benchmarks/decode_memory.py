@@ -27,6 +27,7 @@ from pathlib import Path
 import openai
 
 from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.testing.fidelity_bench import FidelityClient
 from sgl_mmkv.testing.fidelity_task import chat_messages, make_split
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
@@ -81,7 +82,7 @@ def run_side(name: str, flags: list[str], args, prompts: list[list[dict]]) -> di
             return r.usage.completion_tokens, time.monotonic() - started
 
         send(prompts[0])  # warm-up
-        server_flush(server)
+        FidelityClient(server.base_url).flush()
         started = time.monotonic()
         with (
             LedgerSampler(server.base_url) as sampler,
@@ -106,16 +107,6 @@ def run_side(name: str, flags: list[str], args, prompts: list[list[dict]]) -> di
         "decode_compression": stats.get("decode_compression"),
         "final_pool": stats["pool"],
     }
-
-
-def server_flush(server: ServerProcess) -> None:
-    import requests
-
-    for _ in range(50):
-        if requests.post(server.base_url + "/flush_cache", timeout=30).status_code == 200:
-            return
-        time.sleep(0.2)
-    raise RuntimeError("/flush_cache kept failing")
 
 
 def format_table(rows: list[dict]) -> str:

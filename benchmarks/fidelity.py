@@ -97,21 +97,15 @@ def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
 
 def measure_on(
     server: ServerProcess, label: str, layout, examples, scenarios, references=None
-) -> list:
-    """Start ``server``, run every probe through it, stop it; the probe records."""
+) -> tuple[list, dict]:
+    """Start ``server``, run every probe through it, stop it; the probe records and
+    the server's sgl_mmkv counters after them."""
     with server:
         client = FidelityClient(server.base_url)
         records = measure(client, layout, examples, scenarios, references)
-        decode = mmkv_stats(server.base_url).get("decode_compression")
-        if decode is not None:
-            DECODE_COUNTERS[label] = decode
-            print(f"[fidelity] {label}: decode compression {decode}", flush=True)
+        stats = mmkv_stats(server.base_url)
     print(f"[fidelity] {label}: {len(records)} probes", flush=True)
-    return records
-
-
-# label -> the server's decode-compression counters after its probes.
-DECODE_COUNTERS: dict[str, dict] = {}
+    return records, stats
 
 
 def machine_description() -> str:
@@ -205,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets if mode in BUDGETED_MODES else [UNBUDGETED_REFRESH.get(mode)]:
             label = mode if budget is None else f"{mode}@{budget}"
             server = server_for(mode, args.model_path, budget, args.out_dir, args.segment_fill)
-            records[label] = measure_on(server, label, layout, examples, scenarios)
+            records[label], _ = measure_on(server, label, layout, examples, scenarios)
             summaries += summarise(mode, records[label], budget)
     for evict in [m for m in args.evict_modes.split(",") if m]:
         for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
@@ -213,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             server = eviction_server_for(
                 evict, kv_budget, args.model_path, args.out_dir, args.evict_refresh_budget
             )
-            records[label] = measure_on(server, label, layout, examples, scenarios)
+            records[label], _ = measure_on(server, label, layout, examples, scenarios)
             summaries += summarise(f"kv:{evict}", records[label], kv_budget)
     decode_modes = [m for m in args.decode_evict_modes.split(",") if m]
+    decode_counters: dict[str, dict] = {}  # label -> the server's counters after its probes
     if decode_modes:
         uncompressed = mmkv_server(
             ["--mm-reuse", "conduit"], args.model_path, args.out_dir / "decode_reference.log"
@@ -228,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                     server = decode_compression_server_for(
                         evict, kv_budget, args.model_path, args.out_dir
                     )
-                    records[label] = measure_on(server, label, layout, examples, [COLD], references)
+                    records[label], stats = measure_on(
+                        server, label, layout, examples, [COLD], references
+                    )
+                    decode_counters[label] = stats["decode_compression"]
+                    print(f"[fidelity] {label}: {decode_counters[label]}", flush=True)
                     summaries += summarise(f"decode:{evict}", records[label], kv_budget)
 
     table = format_table(summaries)
@@ -241,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "segment_fill": args.segment_fill,
         "evict_refresh_budget": args.evict_refresh_budget,
         "seconds": round(time.monotonic() - started, 1),
-        "decode_compression": DECODE_COUNTERS,
+        "decode_compression": decode_counters,
         **to_json(summaries, records),
     }
     (args.out_dir / "fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
