@@ -34,7 +34,7 @@ from sgl_mmkv.testing.fidelity_bench import (
     summarise,
     to_json,
 )
-from sgl_mmkv.testing.fidelity_task import make_split
+from sgl_mmkv.testing.fidelity_task import make_split, model_style
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     budgets = [float(b) for b in args.budgets.split(",") if b]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    examples = make_split("test", args.num_examples)
+    examples = make_split("test", args.num_examples, style=model_style(args.model_path))
     layout = PromptLayout(str(args.model_path))
 
     summaries: list[ScenarioSummary] = []

@@ -12,7 +12,7 @@ from sgl_mmkv.testing.evaluate_fidelity_model import (
     accuracy_report,
     full_prefill_answers,
 )
-from sgl_mmkv.testing.fidelity_task import make_split
+from sgl_mmkv.testing.fidelity_task import make_split, model_style
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
@@ -21,7 +21,7 @@ MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie
 
 def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path):
     recorded = json.loads((MODEL / "accuracy.json").read_text())
-    examples = make_split("test", SUBSET_SIZE)
+    examples = make_split("test", SUBSET_SIZE, style=model_style(MODEL))
     log = tmp_path / "stock.log"
     with ServerProcess("sglang.launch_server", MODEL, CPU_SERVER_ARGS, log_path=log) as server:
         answers = full_prefill_answers(server.base_url, examples)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sgl_mmkv.testing.fidelity_bench import kl_from_top_logprobs, scenario_requests
 from sgl_mmkv.testing.fidelity_task import (
     BACKGROUNDS,
+    COLOURS,
     MAX_IMAGES,
     QUESTION_TYPES,
     chat_messages,
+    describe,
     make_example,
     make_split,
     score,
@@ -96,3 +100,58 @@ def test_kl_of_identical_distributions_is_zero_and_grows_with_change():
     q = {"a": -1.0, "b": -0.6, "c": -4.0}
     far = {"b": -0.01, "c": -5.0}
     assert 0 < kl_from_top_logprobs(p, q) < kl_from_top_logprobs(p, far)
+
+
+def test_marked_style_keeps_images_and_target_and_marks_only_the_target():
+    for i in range(40):
+        keyed = make_example("validation", i)
+        marked = make_example("validation", i, style="marked")
+        assert marked.target == keyed.target and marked.qtype == keyed.qtype
+        assert [im.marked for im in marked.images] == [
+            j == keyed.target for j in range(len(keyed.images))
+        ]
+        for j, (a, b) in enumerate(zip(keyed.images, marked.images, strict=True)):
+            assert a.key() == b.key()[:5]
+            same = a.render().tobytes() == b.render().tobytes()
+            assert same == (j != keyed.target)  # the dot changes only the target's pixels
+        target = marked.images[marked.target]
+        expected = {
+            "colour": target.colour,
+            "which": BACKGROUNDS[target.background][0],
+            "kind": target.kind,
+        }
+        assert marked.answer == expected[marked.qtype]
+        assert "dot" in marked.question
+
+
+def test_the_dot_sits_on_the_shape():
+    images = [make_example("test", i, num_images=1, style="marked").images[0] for i in range(12)]
+    assert {image.kind for image in images} == {"circle", "square", "triangle"}
+    for image in images:
+        plain, dotted = replace(image, marked=False).render(), image.render()
+        changed = [
+            (x, y)
+            for x in range(112)
+            for y in range(112)
+            if plain.getpixel((x, y)) != dotted.getpixel((x, y))
+        ]
+        assert 100 < len(changed) < 250  # a disc of radius 7
+        shape_colour = dict(COLOURS)[image.colour]
+        assert all(plain.getpixel(p) == shape_colour for p in changed), image.kind
+
+
+def test_unknown_style_is_refused():
+    with pytest.raises(ValueError, match="unknown style"):
+        make_example("test", 0, style="labelled")
+
+
+def test_text_control_describes_each_image_in_place_of_its_pixels():
+    e = make_example("test", 11, num_images=3, style="marked")
+    content = chat_messages(e, image_part, as_text=True)[1]["content"]
+    assert all(part["type"] == "text" for part in content)
+    texts = [part["text"] for part in content]
+    for image in e.images:
+        assert describe(image) in texts
+    assert describe(e.images[e.target]).endswith(
+        f"with a dot on {BACKGROUNDS[e.images[e.target].background][0]}"
+    )

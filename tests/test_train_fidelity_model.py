@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from sgl_mmkv.testing.fidelity_task import make_example
+from sgl_mmkv.testing.fidelity_task import make_example, model_style
 from sgl_mmkv.testing.train_fidelity_model import collate, train
 
 
@@ -75,3 +75,38 @@ def test_short_run_then_continue(tmp_path):
     assert written["total_steps"] == 6
     assert [p["init_from"] for p in written["phases"]] == [None, str(tmp_path / "a")]
     assert (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_text_control_batch_has_no_pixels_and_labels_the_answer(processor):
+    examples = [make_example("train", i, style="marked") for i in range(6)]
+    batch = collate(processor, examples, random.Random(0), as_text=True)
+    assert "pixel_values" not in batch
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((batch["input_ids"] == image_pad).sum()) == 0
+    for row, example in enumerate(examples):
+        answer = batch["input_ids"][row][batch["labels"][row] != -100]
+        assert processor.tokenizer.decode(answer) == example.answer + "<|im_end|>\n"
+
+
+def test_marked_examples_take_no_keyed_follow_ups(processor):
+    with pytest.raises(ValueError, match="follow-up"):
+        collate(processor, [make_example("train", 0, style="marked")], random.Random(0), 2)
+
+
+def test_style_is_recorded_and_read_back(tmp_path):
+    record = train(
+        tmp_path / "m",
+        steps=2,
+        batch_size=2,
+        lr=1e-3,
+        seed=0,
+        log_every=1,
+        num_validation=2,
+        style="marked",
+    )
+    assert record["style"] == "marked" and record["phases"][0]["style"] == "marked"
+    assert model_style(tmp_path / "m") == "marked"
+    assert model_style(tmp_path) == "keyed"  # no training.json: the committed task
+    (tmp_path / "training.json").write_text(json.dumps({"style": "labelled"}))
+    with pytest.raises(ValueError, match="unknown style"):
+        model_style(tmp_path)

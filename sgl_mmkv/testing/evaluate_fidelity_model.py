@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.testing.fidelity_task import Example, chat_messages, make_split, score
+from sgl_mmkv.testing.fidelity_task import (
+    Example,
+    chat_messages,
+    make_split,
+    model_style,
+    score,
+)
 from sgl_mmkv.testing.images import image_part
 
 SUBSET_SIZE = 32  # test[0:32], re-checked by tests/test_fidelity_model.py
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
     prepare_cpu_process()
-    examples = make_split("test", args.num_examples)
+    examples = make_split("test", args.num_examples, style=model_style(args.model_path))
     with ServerProcess("sglang.launch_server", args.model_path, CPU_SERVER_ARGS) as server:
         answers = full_prefill_answers(server.base_url, examples)
     report = {

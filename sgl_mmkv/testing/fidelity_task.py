@@ -21,13 +21,21 @@ shape-kind / same-kind questions reached 45 % (chance 36 %) after 1,600 steps.
 "Where is the red shape?" stayed at chance even with one image: the vision tower
 and the language model see positions only through rotary phases, so a token's value
 does not say which quadrant it covers.
+
+Two diagnostic variants, used by ``benchmarks/retrieval_probes.py`` to tell why
+the keyed questions do not train: ``style="marked"`` puts a dot on the target
+image's shape and asks about "the dotted shape" (the query no longer depends on the
+question's words), and :func:`describe` renders an image as text for a control
+that takes the vision tower out of the task.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from PIL import Image, ImageDraw
 
@@ -56,6 +64,7 @@ BACKGROUNDS: tuple[tuple[str, tuple[int, int, int]], ...] = (
 KINDS = ("circle", "square", "triangle")
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
 QUESTION_TYPES = ("colour", "which", "kind")
+QUESTION_STYLES = ("keyed", "marked")
 SPLIT_SEEDS = {"train": 1_000_003, "validation": 2_000_003, "test": 3_000_017}
 SYSTEM_PROMPT = "You answer questions about the images in few words."
 
@@ -69,6 +78,7 @@ class ShapeImage:
     quadrant: str
     background: int
     jitter: tuple[int, int, int]
+    marked: bool = False  # a dot on the shape: the target of a "marked" question
 
     def render(self) -> Image.Image:
         image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[self.background][1])
@@ -87,10 +97,16 @@ class ShapeImage:
             draw.rectangle(box, fill=fill)
         else:
             draw.polygon([(x0 + size // 2, y0), (x0, y0 + size), (x0 + size, y0 + size)], fill=fill)
+        if self.marked:
+            cx = x0 + size // 2
+            cy = y0 + size // 2 + (size // 6 if self.kind == "triangle" else 0)
+            dot = (250, 250, 250) if BACKGROUNDS[self.background][0] == "black" else (0, 0, 0)
+            draw.ellipse((cx - 7, cy - 7, cx + 7, cy + 7), fill=dot)
         return image
 
     def key(self) -> tuple:
-        return (self.colour, self.kind, self.quadrant, self.background, self.jitter)
+        base = (self.colour, self.kind, self.quadrant, self.background, self.jitter)
+        return (*base, "marked") if self.marked else base
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +137,18 @@ class Example:
 
 
 def make_example(
-    split: str, index: int, num_images: int | None = None, qtype: str | None = None
+    split: str,
+    index: int,
+    num_images: int | None = None,
+    qtype: str | None = None,
+    style: str = "keyed",
 ) -> Example:
-    """The ``index``-th example of ``split``; 1 to 8 images unless ``num_images`` is given."""
+    """The ``index``-th example of ``split``; 1 to 8 images unless ``num_images`` is given.
+
+    ``style="marked"`` draws the same images and target, marks the target and asks
+    about "the dotted shape" (:func:`ask_marked`)."""
+    if style not in QUESTION_STYLES:
+        raise ValueError(f"unknown style {style!r}; choose one of {', '.join(QUESTION_STYLES)}")
     if split not in SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLIT_SEEDS)}")
     rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + index)
@@ -144,7 +169,12 @@ def make_example(
         for colour, background in zip(colours, backgrounds, strict=True)
     )
     target = rng.randrange(n)
-    question, answer = ask(images, target, qtype)
+    if style == "marked":
+        marked = replace(images[target], marked=True)
+        images = (*images[:target], marked, *images[target + 1 :])
+        question, answer = ask_marked(images, target, qtype)
+    else:
+        question, answer = ask(images, target, qtype)
     return Example(split, index, images, question, answer, qtype, target)
 
 
@@ -159,6 +189,34 @@ def ask(images: tuple[ShapeImage, ...], target: int, qtype: str) -> tuple[str, s
     if qtype == "kind":
         return f"What shape is the {shape.colour} one?", shape.kind
     raise ValueError(f"unknown question type {qtype!r}; choose one of {', '.join(QUESTION_TYPES)}")
+
+
+def ask_marked(images: tuple[ShapeImage, ...], target: int, qtype: str) -> tuple[str, str]:
+    """(question, answer) of type ``qtype`` about the marked ``images[target]``."""
+    shape = images[target]
+    if qtype == "colour":
+        return "What colour is the dotted shape?", shape.colour
+    if qtype == "which":
+        return "Which background has the dotted shape?", BACKGROUNDS[shape.background][0]
+    if qtype == "kind":
+        return "What shape has the dot?", shape.kind
+    raise ValueError(f"unknown question type {qtype!r}; choose one of {', '.join(QUESTION_TYPES)}")
+
+
+def describe(image: ShapeImage) -> str:
+    """The image as text, for the text-only control: "a red circle on navy"."""
+    mark = " with a dot" if image.marked else ""
+    return f"a {image.colour} {image.kind}{mark} on {BACKGROUNDS[image.background][0]}"
+
+
+def model_style(model_path: str | Path) -> str:
+    """The question style a fidelity checkpoint was trained on (``training.json``;
+    "keyed" when it does not say)."""
+    record = Path(model_path) / "training.json"
+    style = json.loads(record.read_text()).get("style", "keyed") if record.exists() else "keyed"
+    if style not in QUESTION_STYLES:
+        raise ValueError(f"{record}: unknown style {style!r}")
+    return style
 
 
 def make_split(split: str, count: int, start: int = 0, **kwargs) -> list[Example]:
@@ -176,6 +234,7 @@ def chat_messages(
     system: str = SYSTEM_PROMPT,
     preamble: str | None = None,
     order: list[int] | None = None,
+    as_text: bool = False,
 ) -> list[dict]:
     """OpenAI-style messages for ``example``.
 
@@ -186,6 +245,7 @@ def chat_messages(
         preamble: optional text before the first image (a changed prefix).
         order: optional permutation: position j shows image ``order[j]``
             (questions name shapes by colour, so the answer is unchanged).
+        as_text: each image as its :func:`describe` text instead (text-only control).
     """
     order = list(range(len(example.images))) if order is None else order
     if sorted(order) != list(range(len(example.images))):
@@ -195,7 +255,11 @@ def chat_messages(
         content.append({"type": "text", "text": preamble + "\n"})
     for label, i in enumerate(order, start=1):
         content.append({"type": "text", "text": f"Image {label}: "})
-        content.append(image_part(example.images[i].render()))
+        image = example.images[i]
+        if as_text:
+            content.append({"type": "text", "text": describe(image)})
+        else:
+            content.append(image_part(image.render()))
         content.append({"type": "text", "text": "\n"})
     content.append({"type": "text", "text": example.question})
     return [{"role": "system", "content": system}, {"role": "user", "content": content}]

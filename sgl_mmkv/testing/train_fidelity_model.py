@@ -24,6 +24,7 @@ import torch
 from sgl_mmkv.testing.fidelity_task import (
     IMAGE_SIZE,
     MAX_IMAGES,
+    QUESTION_STYLES,
     QUESTION_TYPES,
     SYSTEM_PROMPT,
     Example,
@@ -59,14 +60,17 @@ def _local_image_part(_image) -> dict:
 
 
 def render_training_text(
-    processor, example: Example, rng: random.Random, follow_ups: int = 0
+    processor, example: Example, rng: random.Random, follow_ups: int = 0, as_text: bool = False
 ) -> tuple[str, list[tuple[int, int]], list]:
     """(full text, answer spans, images in prompt order) for one example.
 
     The conversation is the example's question and answer, then ``follow_ups`` more
     user questions about the same images, each with its answer: one image encoding
     buys several retrieval targets. Each span is ``(start, end)`` in characters of
-    the full text: an answer plus its closing ``<|im_end|>\n``."""
+    the full text: an answer plus its closing ``<|im_end|>\n``. ``as_text`` writes
+    each image as its description (the text-only control; no images returned)."""
+    if follow_ups and any(image.marked for image in example.images):
+        raise ValueError("follow-up questions are keyed; a marked example has one target")
     order = list(range(len(example.images)))
     if rng.random() < 0.5:
         rng.shuffle(order)
@@ -76,6 +80,7 @@ def render_training_text(
         system=rng.choice(ALT_SYSTEM_PROMPTS),
         preamble=rng.choice(PREAMBLES),
         order=order,
+        as_text=as_text,
     )
     answers = [example.answer]
     for _ in range(follow_ups):
@@ -94,11 +99,17 @@ def render_training_text(
             raise AssertionError("chat template is not prefix-stable across turns")
         full = prompt + answer + "<|im_end|>\n"
         spans.append((len(prompt), len(full)))
-    images = [example.images[i].render() for i in order]
+    images = [] if as_text else [example.images[i].render() for i in order]
     return full, spans, images
 
 
-def collate(processor, examples: list[Example], rng: random.Random, follow_ups: int = 0) -> dict:
+def collate(
+    processor,
+    examples: list[Example],
+    rng: random.Random,
+    follow_ups: int = 0,
+    as_text: bool = False,
+) -> dict:
     """A padded batch whose labels are the answer tokens (each with its closing
     ``<|im_end|>\n``) only. The byte-level pre-tokenizer splits at the newline that
     ends each prompt, so a prefix of the text tokenizes to a prefix of the tokens;
@@ -107,7 +118,7 @@ def collate(processor, examples: list[Example], rng: random.Random, follow_ups: 
     tokens_per_image = (IMAGE_SIZE // 28) ** 2
     fulls, images, row_spans = [], [], []
     for example in examples:
-        full, spans, ims = render_training_text(processor, example, rng, follow_ups)
+        full, spans, ims = render_training_text(processor, example, rng, follow_ups, as_text)
         fulls.append(full)
         images.extend(ims)
         shift = len(ims) * (tokens_per_image - 1)
@@ -120,7 +131,7 @@ def collate(processor, examples: list[Example], rng: random.Random, follow_ups: 
                 for start, end in spans
             ]
         )
-    batch = processor(text=fulls, images=images, return_tensors="pt", padding=True)
+    batch = processor(text=fulls, images=images or None, return_tensors="pt", padding=True)
     labels = torch.full_like(batch["input_ids"], -100)
     for row, spans in enumerate(row_spans):
         for start, end in spans:
@@ -137,13 +148,20 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     step ``i * W + w`` for the image-count curriculum."""
 
     def __init__(
-        self, processor, batch_size: int, seed: int, curriculum_steps: int, follow_ups: int
+        self,
+        processor,
+        batch_size: int,
+        seed: int,
+        curriculum_steps: int,
+        follow_ups: int,
+        style: str = "keyed",
     ) -> None:
         self.processor = processor
         self.batch_size = batch_size
         self.seed = seed
         self.curriculum_steps = curriculum_steps
         self.follow_ups = follow_ups
+        self.style = style
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -152,7 +170,8 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         step = worker
         while True:
             step += workers
-            examples = draw_examples(rng, self.batch_size, image_cap(step, self.curriculum_steps))
+            cap = image_cap(step, self.curriculum_steps)
+            examples = draw_examples(rng, self.batch_size, cap, self.style)
             yield collate(self.processor, examples, rng, self.follow_ups)
 
 
@@ -163,21 +182,45 @@ def image_cap(step: int, curriculum_steps: int) -> int:
     return min(MAX_IMAGES, 1 + step // curriculum_steps)
 
 
-def draw_examples(rng: random.Random, batch_size: int, cap: int) -> list[Example]:
+def draw_examples(
+    rng: random.Random, batch_size: int, cap: int, style: str = "keyed"
+) -> list[Example]:
     return [
-        make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap))
+        make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap), style=style)
         for _ in range(batch_size)
     ]
 
 
+def make_optimizer(model, lr: float, steps: int):
+    """AdamW (weight decay 0.01) under a one-cycle schedule of ``steps`` steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.3, max(0.05, 2.5 / steps))
+    )
+    return optimizer, schedule
+
+
+def training_step(model, batch, optimizer, schedule) -> torch.Tensor:
+    """One optimiser step on ``batch`` (gradients clipped to norm 1); returns the loss."""
+    loss = model(**batch).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    return loss.detach()
+
+
 @torch.no_grad()
-def answer_accuracy(model, processor, examples: list[Example], batch_size: int = 16) -> float:
+def answer_accuracy(
+    model, processor, examples: list[Example], batch_size: int = 16, as_text: bool = False
+) -> float:
     """Teacher-forced exact match: every answer token is the argmax (fast proxy)."""
     model.eval()
     rng = random.Random(0)
     correct = 0
     for start in range(0, len(examples), batch_size):
-        batch = collate(processor, examples[start : start + batch_size], rng)
+        batch = collate(processor, examples[start : start + batch_size], rng, as_text=as_text)
         batch = batch.to(model.device)
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1]
@@ -202,14 +245,17 @@ def train(
     follow_ups: int = 0,
     device: str = "cpu",
     workers: int = 0,
+    style: str = "keyed",
 ) -> dict:
     """Train from random weights, or continue from the checkpoint ``init_from``.
 
     With ``curriculum_steps`` > 0 the image count is capped at
     ``1 + step // curriculum_steps`` (up to 8), so retrieval is learned on short
     prompts first. ``follow_ups`` extra questions per training row (validation
-    asks one). ``workers`` > 0 draws batches in that many data-loader processes
-    (:class:`TrainingBatches`); 0 draws them in this process from ``seed``."""
+    asks one). ``style`` is the question style (``fidelity_task.QUESTION_STYLES``;
+    recorded in ``training.json``, where the evaluation reads it). ``workers`` > 0
+    draws batches in that many data-loader processes (:class:`TrainingBatches`); 0
+    draws them in this process from ``seed``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -225,37 +271,29 @@ def train(
         model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)
     staging = save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
     processor = AutoProcessor.from_pretrained(staging)
-    validation = [make_example("validation", i) for i in range(num_validation)]
+    validation = [make_example("validation", i, style=style) for i in range(num_validation)]
 
     model.to(device)
     batches = None
     if workers > 0:
         loader = torch.utils.data.DataLoader(
-            TrainingBatches(processor, batch_size, seed, curriculum_steps, follow_ups),
+            TrainingBatches(processor, batch_size, seed, curriculum_steps, follow_ups, style),
             batch_size=None,
             num_workers=workers,
             prefetch_factor=4,
         )
         batches = iter(loader)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.3, max(0.05, 2.5 / steps))
-    )
+    optimizer, schedule = make_optimizer(model, lr, steps)
     model.train()
     started = time.monotonic()
     history = []
     for step in range(1, steps + 1):
         if batches is None:
-            examples = draw_examples(rng, batch_size, image_cap(step, curriculum_steps))
+            examples = draw_examples(rng, batch_size, image_cap(step, curriculum_steps), style)
             batch = collate(processor, examples, rng, follow_ups)
         else:
             batch = next(batches)
-        loss = model(**batch.to(device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+        loss = training_step(model, batch.to(device), optimizer, schedule)
         if step % log_every == 0 or step == steps:
             entry = {
                 "step": step,
@@ -277,6 +315,7 @@ def train(
         "seed": seed,
         "curriculum_steps": curriculum_steps,
         "follow_ups": follow_ups,
+        "style": style,
         "device": device,
         "workers": workers,
         "train_seconds": round(time.monotonic() - started),
@@ -287,6 +326,7 @@ def train(
     record = {
         "arch": "qwen2_vl",
         "spec": asdict(FIDELITY_SPEC),
+        "style": style,
         "total_steps": sum(p["steps"] for p in phases),
         "total_train_seconds": sum(p["train_seconds"] for p in phases),
         "validation_teacher_forced_accuracy": phase["validation_teacher_forced_accuracy"],
@@ -311,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--workers", type=int, default=0, help="data-loader processes")
+    parser.add_argument(
+        "--style", choices=QUESTION_STYLES, default="keyed", help="how questions pick the image"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     record = train(
@@ -323,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         args.init_from,
         curriculum_steps=args.curriculum_steps,
         follow_ups=args.follow_ups,
+        style=args.style,
         device=args.device,
         workers=args.workers,
     )
