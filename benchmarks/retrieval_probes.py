@@ -12,7 +12,9 @@ images every ``--eval-every`` steps:
 - ``keyed-text``: the same prompts with each image written as text ("a red
   circle on navy"): no vision tower, so a failure here is the decoder's;
 - ``marked``: the target image's shape carries a dot and the question asks about
-  "the dotted shape": the image is picked by what it shows, whatever the words.
+  "the dotted shape": the image is picked by what it shows, whatever the words;
+- ``kind``: keyed, shape-kind questions only; with ``--max-images 1`` it asks
+  whether the vision tower learns shapes at all (no retrieval involved).
 
 ``no-retrieval chance`` is what a model that reads every image but cannot pick
 one would score: the mean over validation prompts of 1 / (distinct candidate
@@ -36,6 +38,7 @@ import torch
 
 from sgl_mmkv.testing.fidelity_task import BACKGROUNDS, Example, make_example
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
+from sgl_mmkv.testing.pretrain_vision import pretrain_vision
 from sgl_mmkv.testing.train_fidelity_model import (
     FIDELITY_SPEC,
     answer_accuracy,
@@ -49,16 +52,19 @@ from sgl_mmkv.testing.train_fidelity_model import (
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One way of posing the task: its question style, and images as pixels or text."""
+    """One way of posing the task: its question style, images as pixels or text, and
+    optionally a single question type."""
 
     style: str
     as_text: bool
+    qtype: str | None = None
 
 
 VARIANTS = {
     "keyed": Variant("keyed", as_text=False),
     "keyed-text": Variant("keyed", as_text=True),
     "marked": Variant("marked", as_text=False),
+    "kind": Variant("keyed", as_text=False, qtype="kind"),
 }
 
 
@@ -72,11 +78,18 @@ class ProbeConfig:
     eval_every: int
     num_validation: int
     seed: int
+    vision_pretrain_steps: int = 0
 
 
 def validation_set(variant: Variant, config: ProbeConfig) -> list[Example]:
     return [
-        make_example("validation", i, num_images=config.max_images, style=variant.style)
+        make_example(
+            "validation",
+            i,
+            num_images=config.max_images,
+            qtype=variant.qtype,
+            style=variant.style,
+        )
         for i in range(config.num_validation)
     ]
 
@@ -106,6 +119,11 @@ def run_probe(name: str, config: ProbeConfig) -> dict:
         save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, Path(staging))
         processor = AutoProcessor.from_pretrained(staging)
     validation = validation_set(variant, config)
+    vision_pretrain = None
+    if config.vision_pretrain_steps > 0:
+        vision_pretrain = pretrain_vision(
+            model, processor, config.vision_pretrain_steps, seed=config.seed
+        )
     optimizer, schedule = make_optimizer(model, config.lr, config.steps)
     rng = random.Random(config.seed)
     model.train()
@@ -113,7 +131,7 @@ def run_probe(name: str, config: ProbeConfig) -> dict:
     curve = []
     for step in range(1, config.steps + 1):
         cap = min(config.max_images, image_cap(step, config.curriculum_steps))
-        examples = draw_examples(rng, config.batch_size, cap, style=variant.style)
+        examples = draw_examples(rng, config.batch_size, cap, variant.style, variant.qtype)
         batch = collate(processor, examples, rng, as_text=variant.as_text)
         loss = training_step(model, batch, optimizer, schedule)
         if step % config.eval_every == 0 or step == config.steps:
@@ -131,6 +149,8 @@ def run_probe(name: str, config: ProbeConfig) -> dict:
         "variant": name,
         "style": variant.style,
         "as_text": variant.as_text,
+        "qtype": variant.qtype,
+        "vision_pretrain": vision_pretrain,
         "no_retrieval_chance": round(no_retrieval_chance(validation), 4),
         "final_val_acc": curve[-1]["val_acc"],
         "best_val_acc": max(point["val_acc"] for point in curve),
@@ -150,7 +170,8 @@ def markdown(results: list[dict], config: ProbeConfig) -> str:
     lines = [
         f"Teacher-forced validation accuracy on {config.num_validation} prompts of "
         f"{config.max_images} images (batch {config.batch_size}, lr {config.lr}, "
-        f"curriculum {config.curriculum_steps} steps per image).",
+        f"curriculum {config.curriculum_steps} steps per image, "
+        f"{config.vision_pretrain_steps} vision pretraining steps).",
         "",
         f"| variant | no-retrieval chance | {head} | best | seconds |",
         "|---|---|" + "---|" * len(marks) + "---|---|",
@@ -189,7 +210,7 @@ def plot(results: list[dict], config: ProbeConfig, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="keyed,keyed-text,marked")
     parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -198,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--num-validation", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vision-pretrain-steps", type=int, default=0, help="attribute pretraining first"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="variants trained at once")
     parser.add_argument("--out-dir", type=Path, default=Path("retrieval-probes"))
     args = parser.parse_args(argv)
@@ -216,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_every,
         args.num_validation,
         args.seed,
+        args.vision_pretrain_steps,
     )
     context = multiprocessing.get_context("spawn")
     with context.Pool(max(1, min(args.jobs, len(names)))) as pool:

@@ -21,9 +21,12 @@ timeout 180 python3 benchmarks/gpu_kernels.py --out-dir "$OUT" >"$OUT/gpu_kernel
 echo "gpu_kernels rc=$?" >>"$OUT/device.txt"
 
 # Training probe: a 40-step run measures the step rate, then one run sized to
-# TRAIN_SECONDS (OneCycle needs its step count up front).
+# TRAIN_SECONDS (OneCycle needs its step count up front). TRAIN_STYLE=marked
+# (default) trains the question style that learns retrieval on a CPU
+# (benchmarks/retrieval_probes.py); keyed is the committed model's.
 TRAIN_SECONDS=${TRAIN_SECONDS:-270}
-ARGS="--device cuda --workers 12 --batch-size 64 --lr 2e-3 --curriculum-steps 400 --follow-ups 3"
+TRAIN_STYLE=${TRAIN_STYLE:-marked}
+ARGS="--device cuda --workers 12 --batch-size 64 --lr 1e-3 --curriculum-steps 300 --follow-ups 0 --style $TRAIN_STYLE"
 timeout 120 python3 -m sgl_mmkv.testing.train_fidelity_model --out /tmp/rate --steps 40 \
     --log-every 20 $ARGS >"$OUT/train_rate.log" 2>&1
 STEPS=$(python3 -c "

@@ -93,7 +93,7 @@ def test_marked_examples_take_no_keyed_follow_ups(processor):
         collate(processor, [make_example("train", 0, style="marked")], random.Random(0), 2)
 
 
-def test_style_is_recorded_and_read_back(tmp_path):
+def test_style_and_vision_pretraining_are_recorded(tmp_path):
     record = train(
         tmp_path / "m",
         steps=2,
@@ -103,8 +103,11 @@ def test_style_is_recorded_and_read_back(tmp_path):
         log_every=1,
         num_validation=2,
         style="marked",
+        vision_pretrain_steps=2,
     )
     assert record["style"] == "marked" and record["phases"][0]["style"] == "marked"
+    pretrain = record["phases"][0]["vision_pretrain"]
+    assert pretrain["steps"] == 2 and [h["step"] for h in pretrain["history"]] == [2]
     assert model_style(tmp_path / "m") == "marked"
     assert model_style(tmp_path) == "keyed"  # no training.json: the committed task
     (tmp_path / "training.json").write_text(json.dumps({"style": "labelled"}))

@@ -33,6 +33,7 @@ from sgl_mmkv.testing.fidelity_task import (
     make_example,
 )
 from sgl_mmkv.testing.make_tiny_model import TinyModelSpec, build_untrained, save_checkpoint
+from sgl_mmkv.testing.pretrain_vision import pretrain_vision
 
 FIDELITY_SPEC = TinyModelSpec(
     hidden_size=192,
@@ -183,10 +184,15 @@ def image_cap(step: int, curriculum_steps: int) -> int:
 
 
 def draw_examples(
-    rng: random.Random, batch_size: int, cap: int, style: str = "keyed"
+    rng: random.Random,
+    batch_size: int,
+    cap: int,
+    style: str = "keyed",
+    qtype: str | None = None,
 ) -> list[Example]:
+    """``batch_size`` training examples of 1 to ``cap`` images (``qtype``: one question type)."""
     return [
-        make_example("train", rng.randrange(10**9), num_images=rng.randint(1, cap), style=style)
+        make_example("train", rng.randrange(10**9), rng.randint(1, cap), qtype=qtype, style=style)
         for _ in range(batch_size)
     ]
 
@@ -246,6 +252,7 @@ def train(
     device: str = "cpu",
     workers: int = 0,
     style: str = "keyed",
+    vision_pretrain_steps: int = 0,
 ) -> dict:
     """Train from random weights, or continue from the checkpoint ``init_from``.
 
@@ -253,7 +260,9 @@ def train(
     ``1 + step // curriculum_steps`` (up to 8), so retrieval is learned on short
     prompts first. ``follow_ups`` extra questions per training row (validation
     asks one). ``style`` is the question style (``fidelity_task.QUESTION_STYLES``;
-    recorded in ``training.json``, where the evaluation reads it). ``workers`` > 0
+    recorded in ``training.json``, where the evaluation reads it).
+    ``vision_pretrain_steps`` > 0 first trains the vision tower alone on the
+    images' attributes (:mod:`sgl_mmkv.testing.pretrain_vision`). ``workers`` > 0
     draws batches in that many data-loader processes (:class:`TrainingBatches`); 0
     draws them in this process from ``seed``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
@@ -274,6 +283,9 @@ def train(
     validation = [make_example("validation", i, style=style) for i in range(num_validation)]
 
     model.to(device)
+    vision_pretrain = None
+    if vision_pretrain_steps > 0:
+        vision_pretrain = pretrain_vision(model, processor, vision_pretrain_steps, seed=seed)
     batches = None
     if workers > 0:
         loader = torch.utils.data.DataLoader(
@@ -316,6 +328,7 @@ def train(
         "curriculum_steps": curriculum_steps,
         "follow_ups": follow_ups,
         "style": style,
+        "vision_pretrain": vision_pretrain,
         "device": device,
         "workers": workers,
         "train_seconds": round(time.monotonic() - started),
@@ -354,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--style", choices=QUESTION_STYLES, default="keyed", help="how questions pick the image"
     )
+    parser.add_argument(
+        "--vision-pretrain-steps", type=int, default=0, help="attribute pretraining of the tower"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     record = train(
@@ -367,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         curriculum_steps=args.curriculum_steps,
         follow_ups=args.follow_ups,
         style=args.style,
+        vision_pretrain_steps=args.vision_pretrain_steps,
         device=args.device,
         workers=args.workers,
     )
