@@ -15,15 +15,17 @@ from sgl_mmkv.testing.evaluate_fidelity_model import (
 from sgl_mmkv.testing.fidelity_task import make_split, model_style
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
+MODELS = Path(__file__).resolve().parent.parent / "models"
 MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie
 
 
-def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path):
-    recorded = json.loads((MODEL / "accuracy.json").read_text())
-    examples = make_split("test", SUBSET_SIZE, style=model_style(MODEL))
+@pytest.mark.parametrize("name", ["fidelity-qwen2-vl", "fidelity-qwen2-vl-marked"])
+def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
+    model = MODELS / name
+    recorded = json.loads((model / "accuracy.json").read_text())
+    examples = make_split("test", SUBSET_SIZE, style=model_style(model))
     log = tmp_path / "stock.log"
-    with ServerProcess("sglang.launch_server", MODEL, CPU_SERVER_ARGS, log_path=log) as server:
+    with ServerProcess("sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log) as server:
         answers = full_prefill_answers(server.base_url, examples)
     report = accuracy_report(examples, answers)
     assert report["n"] == SUBSET_SIZE
