@@ -28,11 +28,11 @@ import openai
 
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.fidelity_bench import FidelityClient
-from sgl_mmkv.testing.fidelity_task import chat_messages, make_split
+from sgl_mmkv.testing.fidelity_task import chat_messages, make_split, model_style
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
 
 
 class LedgerSampler:
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prepare_cpu_process()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = [chat_messages(e, image_part) for e in make_split("test", args.num_requests)]
+    examples = make_split("test", args.num_requests, style=model_style(args.model_path))
+    prompts = [chat_messages(e, image_part) for e in examples]
     decode = ["--mm-evict", args.evict, "--mm-kv-budget", str(args.kv_budget)]
     sides = [
         ("conduit", ["--mm-reuse", "conduit"]),

@@ -37,7 +37,7 @@ from sgl_mmkv.testing.fidelity_bench import (
 from sgl_mmkv.testing.fidelity_task import make_split, model_style
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
 # Scorer modes run at every --budgets value; `reuse` (budget 0) and `full` (every
 # token refreshed) are each one configuration, drawn as the ends of every line.
 BUDGETED_MODES: tuple[str, ...] = ("conduit", "prophetkv", "first", "cacheblend", "random")

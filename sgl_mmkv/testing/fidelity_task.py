@@ -22,11 +22,12 @@ shape-kind / same-kind questions reached 45 % (chance 36 %) after 1,600 steps.
 and the language model see positions only through rotary phases, so a token's value
 does not say which quadrant it covers.
 
-Two diagnostic variants, used by ``benchmarks/retrieval_probes.py`` to tell why
-the keyed questions do not train: ``style="marked"`` puts a dot on the target
-image's shape and asks about "the dotted shape" (the query no longer depends on the
-question's words), and :func:`describe` renders an image as text for a control
-that takes the vision tower out of the task.
+The keyed questions above do not train on this tiny model, even with the images
+written as text (``benchmarks/retrieval_probes.py``). ``style="marked"`` puts a
+dot on the target image's shape and asks about "the dotted shape" (the same
+three question types; the query no longer depends on the question's words): the
+committed ``models/fidelity-qwen2-vl-marked`` is trained on it. :func:`describe`
+renders an image as text for the control that takes the vision tower out.
 """
 
 from __future__ import annotations
