@@ -43,6 +43,13 @@ def mmkv_stats(base_url: str, timeout_s: float = 60.0) -> dict:
     return (states[0] or {}).get("sgl_mmkv") or {}
 
 
+BIND_ERROR = "address already in use"
+
+
+class PortInUse(RuntimeError):
+    """The server could not bind its HTTP port (taken between choosing and binding)."""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -72,41 +79,61 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path or f"/tmp/sgl_mmkv_server_{self.port}.log")
-        self.command = [
-            sys.executable,
-            "-m",
-            module,
-            "--model-path",
-            str(model_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *extra_args,
-        ]
+        self._module, self._model_path, self._extra_args = module, model_path, extra_args
+        self._chosen_port = port is None
+        self._log_path_given = log_path
+        self._use_port(port or free_port())
         self._env = env if env is not None else stock_cpu_env()
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 240.0) -> ServerProcess:
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(self._log_path_given or f"/tmp/sgl_mmkv_server_{port}.log")
+        self.command = [
+            sys.executable,
+            "-m",
+            self._module,
+            "--model-path",
+            str(self._model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *self._extra_args,
+        ]
+
+    def start(self, timeout_s: float = 240.0, attempts: int = 3) -> ServerProcess:
         """Start the server and wait for ``/health``; a running server is kept
-        (so ``with ServerProcess(...).start()`` does not start a second one)."""
+        (so ``with ServerProcess(...).start()`` does not start a second one).
+
+        A port this class chose can be taken by another socket before the server
+        binds it; the server is then stopped and started again on a new free port,
+        up to ``attempts`` times."""
         if self.process is not None and self.process.poll() is None:
             return self
+        for attempt in range(1, attempts + 1):
+            self._spawn()
+            try:
+                self._wait_ready(timeout_s)
+                return self
+            except PortInUse:
+                self.stop()
+                if not self._chosen_port or attempt == attempts:
+                    raise
+                self._use_port(free_port())
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=self._env
         )
         log.close()
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -115,6 +142,8 @@ class ServerProcess:
                 raise RuntimeError(
                     f"server exited with {self.process.returncode}; log tail:\n{self.log_tail()}"
                 )
+            if BIND_ERROR in self.log_text():
+                raise PortInUse(f"port {self.port} taken; log tail:\n{self.log_tail()}")
             try:
                 if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return
