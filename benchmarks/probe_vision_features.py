@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.testing.fidelity_task import COLOURS, KINDS, QUADRANTS, ShapeImage, make_example
+from sgl_mmkv.testing.fidelity_task import ShapeImage, make_example
+from sgl_mmkv.testing.pretrain_vision import attribute_labels, merged_tokens
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"
 GRID = torch.arange(16).reshape(4, 4)  # merged 4 x 4 token grid of a 112 x 112 image
@@ -40,14 +41,10 @@ def image_tokens(model_path: Path, images: list[ShapeImage], batch: int = 100) -
 
     model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
     processor = AutoProcessor.from_pretrained(model_path)
-    chunks = []
-    for start in range(0, len(images), batch):
-        pixels = processor.image_processor(
-            [im.render() for im in images[start : start + batch]], return_tensors="pt"
-        )
-        out = model.model.visual(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"])
-        out = getattr(out, "pooler_output", None) if not torch.is_tensor(out) else out
-        chunks.append(out.reshape(-1, 16, out.shape[-1]).float())
+    chunks = [
+        merged_tokens(model, processor, images[start : start + batch]).float()
+        for start in range(0, len(images), batch)
+    ]
     return torch.cat(chunks)
 
 
@@ -80,12 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     images = [make_example("train", i, num_images=1).images[0] for i in range(args.num_images)]
     tokens = image_tokens(args.model_path, images)
-    colour_names = [c for c, _ in COLOURS]
+    by_attribute = attribute_labels(images)
     labels = {
-        "shape colour": torch.tensor([colour_names.index(im.colour) for im in images]),
-        "background": torch.tensor([im.background for im in images]),
-        "kind": torch.tensor([KINDS.index(im.kind) for im in images]),
-        "quadrant": torch.tensor([QUADRANTS.index(im.quadrant) for im in images]),
+        "shape colour": by_attribute["colour"],
+        **{name: by_attribute[name] for name in ("background", "kind", "quadrant")},
     }
     quadrant = labels["quadrant"]
     views = {
