@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.testing.fidelity_task import BACKGROUNDS, Example, make_example
+from sgl_mmkv.testing.fidelity_task import Example, answer_of, make_example
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
 from sgl_mmkv.testing.pretrain_vision import pretrain_vision
 from sgl_mmkv.testing.train_fidelity_model import (
@@ -97,14 +97,8 @@ def validation_set(variant: Variant, config: ProbeConfig) -> list[Example]:
 def no_retrieval_chance(examples: list[Example]) -> float:
     """Mean of 1 / (distinct values of the asked attribute among the prompt's images)."""
 
-    def candidates(example: Example) -> set[str]:
-        if example.qtype == "colour":
-            return {image.colour for image in example.images}
-        if example.qtype == "which":
-            return {BACKGROUNDS[image.background][0] for image in example.images}
-        return {image.kind for image in example.images}
-
-    return sum(1 / len(candidates(e)) for e in examples) / len(examples)
+    distinct = [len({answer_of(image, e.qtype) for image in e.images}) for e in examples]
+    return sum(1 / n for n in distinct) / len(examples)
 
 
 def run_probe(name: str, config: ProbeConfig) -> dict:

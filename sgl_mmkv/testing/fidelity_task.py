@@ -179,29 +179,40 @@ def make_example(
     return Example(split, index, images, question, answer, qtype, target)
 
 
+def answer_of(image: ShapeImage, qtype: str) -> str:
+    """What a ``qtype`` question about ``image`` is answered with."""
+    if qtype == "colour":
+        return image.colour
+    if qtype == "which":
+        return BACKGROUNDS[image.background][0]
+    if qtype == "kind":
+        return image.kind
+    raise ValueError(f"unknown question type {qtype!r}; choose one of {', '.join(QUESTION_TYPES)}")
+
+
 def ask(images: tuple[ShapeImage, ...], target: int, qtype: str) -> tuple[str, str]:
     """(question, answer) of type ``qtype`` about ``images[target]``."""
     shape = images[target]
-    background = BACKGROUNDS[shape.background][0]
+    answer = answer_of(shape, qtype)
     if qtype == "colour":
-        return f"What colour is the shape on the {background} background?", shape.colour
+        background = BACKGROUNDS[shape.background][0]
+        return f"What colour is the shape on the {background} background?", answer
     if qtype == "which":
-        return f"Which background has the {shape.colour} shape?", background
-    if qtype == "kind":
-        return f"What shape is the {shape.colour} one?", shape.kind
-    raise ValueError(f"unknown question type {qtype!r}; choose one of {', '.join(QUESTION_TYPES)}")
+        return f"Which background has the {shape.colour} shape?", answer
+    return f"What shape is the {shape.colour} one?", answer
+
+
+MARKED_QUESTIONS = {
+    "colour": "What colour is the dotted shape?",
+    "which": "Which background has the dotted shape?",
+    "kind": "What shape has the dot?",
+}
 
 
 def ask_marked(images: tuple[ShapeImage, ...], target: int, qtype: str) -> tuple[str, str]:
     """(question, answer) of type ``qtype`` about the marked ``images[target]``."""
-    shape = images[target]
-    if qtype == "colour":
-        return "What colour is the dotted shape?", shape.colour
-    if qtype == "which":
-        return "Which background has the dotted shape?", BACKGROUNDS[shape.background][0]
-    if qtype == "kind":
-        return "What shape has the dot?", shape.kind
-    raise ValueError(f"unknown question type {qtype!r}; choose one of {', '.join(QUESTION_TYPES)}")
+    answer = answer_of(images[target], qtype)
+    return MARKED_QUESTIONS[qtype], answer
 
 
 def describe(image: ShapeImage) -> str:
