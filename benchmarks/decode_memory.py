@@ -26,9 +26,9 @@ from pathlib import Path
 
 import openai
 
+from sgl_mmkv.benchmarking.fidelity import FidelityClient
+from sgl_mmkv.benchmarking.fidelity_task import chat_messages, make_split, model_style
 from sgl_mmkv.cpu_support import prepare_cpu_process
-from sgl_mmkv.testing.fidelity_bench import FidelityClient
-from sgl_mmkv.testing.fidelity_task import chat_messages, make_split, model_style
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 

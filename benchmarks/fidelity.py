@@ -6,7 +6,7 @@
 For each mode a server is started (``stock``: ``python -m sglang.launch_server``;
 otherwise ``python -m sgl_mmkv.launch_server --mm-reuse MODE``) with the same CPU
 settings, the test split is run through every scenario (see
-``sgl_mmkv.testing.fidelity_bench``), and the server is stopped. Prints a table,
+``sgl_mmkv.benchmarking.fidelity``), and the server is stopped. Prints a table,
 writes ``fidelity.json`` and ``fidelity.png`` (relative accuracy against refresh
 budget, one line per method, full prefill dashed) into ``--out-dir``.
 """
@@ -20,9 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
-from sgl_mmkv.cpu_support import prepare_cpu_process
-from sgl_mmkv.testing.fidelity_bench import (
+from sgl_mmkv.benchmarking.fidelity import (
     COLD,
     SCENARIOS,
     FidelityClient,
@@ -34,7 +32,9 @@ from sgl_mmkv.testing.fidelity_bench import (
     summarise,
     to_json,
 )
-from sgl_mmkv.testing.fidelity_task import make_split, model_style
+from sgl_mmkv.benchmarking.fidelity_task import make_split, model_style
+from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
+from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"

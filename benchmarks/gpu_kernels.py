@@ -29,15 +29,12 @@ import torch
 
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv_reference, rope_inv_freq
 from sgl_mmkv.kernels.gather_rotate_triton import gather_rotate_kv_triton
-from sgl_mmkv.kernels.scattered_attention import (
-    scattered_attention_reference,
-    scattered_attention_sdpa,
-)
+from sgl_mmkv.kernels.reference import attention_mass_reference, scattered_attention_reference
+from sgl_mmkv.kernels.scattered_attention import scattered_attention_sdpa
 from sgl_mmkv.kernels.scattered_attention_triton import (
     attention_mass_triton,
     scattered_attention_triton,
 )
-from sgl_mmkv.refresh.scorers.attention import attention_mass_reference
 
 H_Q, H_KV, HEAD_DIM = 28, 4, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

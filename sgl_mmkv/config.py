@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from sgl_mmkv.refresh.scorers import SCORERS
+from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS
 
 CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 
@@ -20,9 +20,8 @@ CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 REUSE_MODES: dict[str, str] = {
     "off": "stock SGLang: no sgl_mmkv code in the scheduler",
     "exact": "sgl_mmkv's radix cache, exact-prefix reuse only (same hits as stock)",
-    **{name: (cls.__doc__ or name).split("\n")[0] for name, cls in SCORERS.items()},
+    **{name: (cls.__doc__ or name).split("\n")[0] for name, cls in REFRESH_SCORERS.items()},
 }
-IMPLEMENTED_REUSE_MODES: tuple[str, ...] = tuple(REUSE_MODES)
 CACHE_ONLY_MODES: tuple[str, ...] = ("off", "exact")
 
 DEFAULT_REFRESH_BUDGET = 0.1
@@ -35,9 +34,10 @@ DEFAULT_SEGMENT_FILL = "first"
 # --mm-evict: how cached image segments give way under memory pressure.
 EVICTION_POLICIES: dict[str, str] = {
     "lru": "whole segments, least recently used first (stock-like)",
-    "aircache": "compress segments to their top tokens by AirCache importance, then LRU",
-    "mmshiftkv": "compress segments to their top tokens by MM-ShiftKV votes, then LRU",
-    "snapkv": "compress segments to their top tokens by SnapKV window attention, then LRU",
+    **{
+        name: f"compress segments to their top tokens by {cls.summary or name}, then LRU"
+        for name, cls in EVICTION_SCORERS.items()
+    },
 }
 DEFAULT_EVICTION = "lru"
 DEFAULT_KV_BUDGET = 0.5
@@ -61,6 +61,17 @@ RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
 class ConfigError(ValueError):
     """A flag value sgl_mmkv cannot run with; the message says which and why."""
+
+
+def _flag(default, help: str, choices: dict[str, str] | None = None):
+    """A config field that is also a launcher flag (``mm_kv_budget`` -> ``--mm-kv-budget``);
+    the launcher builds its parser from these fields."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a config field."""
+    return "--" + field_name.replace("_", "-")
 
 
 def _require_choice(flag: str, value: str, choices) -> None:
@@ -89,21 +100,33 @@ class MMKVConfig:
         mm_reuse_gate: one of :data:`REUSE_GATES`.
     """
 
-    mm_reuse: str = "off"
-    mm_refresh_budget: float = DEFAULT_REFRESH_BUDGET
-    mm_segment_fill: str = DEFAULT_SEGMENT_FILL
-    mm_evict: str = DEFAULT_EVICTION
-    mm_kv_budget: float = DEFAULT_KV_BUDGET
-    mm_compress_at: str = DEFAULT_COMPRESS_AT
-    mm_reuse_gate: str = DEFAULT_REUSE_GATE
+    mm_reuse: str = _flag("off", "image KV reuse mode", REUSE_MODES)
+    mm_refresh_budget: float = _flag(
+        DEFAULT_REFRESH_BUDGET, "fraction of reused image tokens recomputed, in [0, 1]"
+    )
+    mm_segment_fill: str = _flag(
+        DEFAULT_SEGMENT_FILL, "how a new image's KV enters the segment store", SEGMENT_FILL_POLICIES
+    )
+    mm_evict: str = _flag(
+        DEFAULT_EVICTION,
+        "how cached image segments give way under memory pressure",
+        EVICTION_POLICIES,
+    )
+    mm_kv_budget: float = _flag(
+        DEFAULT_KV_BUDGET,
+        "fraction of a segment's visual tokens kept when it is compressed, in (0, 1]",
+    )
+    mm_compress_at: str = _flag(
+        DEFAULT_COMPRESS_AT, "when a scored segment is compressed", COMPRESS_TRIGGERS
+    )
+    mm_reuse_gate: str = _flag(
+        DEFAULT_REUSE_GATE,
+        "whether a matched image is reused when reuse costs more than a full prefill",
+        REUSE_GATES,
+    )
 
     def __post_init__(self) -> None:
         _require_choice("--mm-reuse", self.mm_reuse, REUSE_MODES)
-        if self.mm_reuse not in IMPLEMENTED_REUSE_MODES:
-            raise ConfigError(
-                f"--mm-reuse {self.mm_reuse} is not implemented yet in this version of "
-                f"sgl_mmkv; implemented: {', '.join(IMPLEMENTED_REUSE_MODES)}"
-            )
         budget = self.mm_refresh_budget
         if not (_is_real(budget) and 0.0 <= budget <= 1.0):
             raise ConfigError(f"--mm-refresh-budget must be in [0, 1], got {budget!r}")

@@ -7,7 +7,7 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
     --mm-segment-fill {first,canonical}  how a new image's KV enters the segment store
     --mm-evict {lru,aircache,mmshiftkv,snapkv}  how segments give way under memory pressure
     --mm-kv-budget R                     fraction of a segment's tokens kept when compressed
-    --mm-compress-at {pressure,fill}     when a scored segment is compressed
+    --mm-compress-at {pressure,fill,decode}  when a scored segment is compressed
     --mm-reuse-gate {cost,always}        skip reuse that would cost more than a full prefill
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
@@ -20,101 +20,46 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 
 from sgl_mmkv.config import (
-    COMPRESS_TRIGGERS,
-    DEFAULT_COMPRESS_AT,
-    DEFAULT_EVICTION,
-    DEFAULT_KV_BUDGET,
-    DEFAULT_REFRESH_BUDGET,
-    DEFAULT_REUSE_GATE,
-    DEFAULT_SEGMENT_FILL,
-    EVICTION_POLICIES,
-    IMPLEMENTED_REUSE_MODES,
     RADIX_CACHE_BACKEND_NAME,
-    REUSE_GATES,
-    REUSE_MODES,
-    SEGMENT_FILL_POLICIES,
     ConfigError,
     MMKVConfig,
     export_config,
+    flag_name,
 )
 
 
-def _add_choice_flag(
-    parser: argparse.ArgumentParser,
-    flag: str,
-    choices: dict[str, str],
-    default: str,
-    what: str,
-) -> None:
-    """A flag whose help lists each choice with its description."""
-    described = "; ".join(f"{name}: {text}" for name, text in choices.items())
-    parser.add_argument(
-        flag,
-        default=default,
-        metavar="{" + ",".join(choices) + "}",
-        help=f"{what} (default %(default)s). {described}",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """sgl_mmkv's flags, one per :class:`MMKVConfig` field; stock flags pass through."""
     parser = argparse.ArgumentParser(
         prog="python -m sgl_mmkv.launch_server",
         description="SGLang server with a modality-aware KV cache. "
         "All `python -m sglang.launch_server` flags are accepted as well.",
         add_help=False,
     )
-    modes = "; ".join(f"{name}: {text}" for name, text in REUSE_MODES.items())
-    parser.add_argument(
-        "--mm-reuse",
-        default="off",
-        metavar="{" + ",".join(REUSE_MODES) + "}",
-        help=f"image KV reuse mode (implemented: {', '.join(IMPLEMENTED_REUSE_MODES)}). {modes}",
-    )
-    parser.add_argument(
-        "--mm-refresh-budget",
-        type=float,
-        default=DEFAULT_REFRESH_BUDGET,
-        metavar="R",
-        help="fraction of reused image tokens recomputed, in [0, 1] (default %(default)s)",
-    )
-    _add_choice_flag(
-        parser,
-        "--mm-segment-fill",
-        SEGMENT_FILL_POLICIES,
-        DEFAULT_SEGMENT_FILL,
-        "how a new image's KV enters the segment store",
-    )
-    _add_choice_flag(
-        parser,
-        "--mm-evict",
-        EVICTION_POLICIES,
-        DEFAULT_EVICTION,
-        "how cached image segments give way under memory pressure",
-    )
-    parser.add_argument(
-        "--mm-kv-budget",
-        type=float,
-        default=DEFAULT_KV_BUDGET,
-        metavar="R",
-        help="fraction of a segment's visual tokens kept when it is compressed, in (0, 1] "
-        "(default %(default)s)",
-    )
-    _add_choice_flag(
-        parser,
-        "--mm-compress-at",
-        COMPRESS_TRIGGERS,
-        DEFAULT_COMPRESS_AT,
-        "when a scored segment is compressed",
-    )
-    _add_choice_flag(
-        parser,
-        "--mm-reuse-gate",
-        REUSE_GATES,
-        DEFAULT_REUSE_GATE,
-        "whether a matched image is reused when reuse costs more than a full prefill",
-    )
+    for spec in fields(MMKVConfig):
+        flag, what = flag_name(spec.name), spec.metadata["help"]
+        choices: dict[str, str] | None = spec.metadata["choices"]
+        if choices is not None:
+            described = "; ".join(f"{name}: {text}" for name, text in choices.items())
+            parser.add_argument(
+                flag,
+                default=spec.default,
+                metavar="{" + ",".join(choices) + "}",
+                help=f"{what} (default %(default)s). {described}",
+            )
+        elif isinstance(spec.default, bool):
+            parser.add_argument(flag, action="store_true", help=what)
+        else:
+            parser.add_argument(
+                flag,
+                type=type(spec.default),
+                default=spec.default,
+                metavar="R",
+                help=f"{what} (default %(default)s)",
+            )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -140,15 +85,7 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
     """
     parser = build_parser()
     ours, sglang_argv = parser.parse_known_args(argv)
-    config = MMKVConfig(
-        mm_reuse=ours.mm_reuse,
-        mm_refresh_budget=ours.mm_refresh_budget,
-        mm_segment_fill=ours.mm_segment_fill,
-        mm_evict=ours.mm_evict,
-        mm_kv_budget=ours.mm_kv_budget,
-        mm_compress_at=ours.mm_compress_at,
-        mm_reuse_gate=ours.mm_reuse_gate,
-    )
+    config = MMKVConfig(**{spec.name: getattr(ours, spec.name) for spec in fields(MMKVConfig)})
     sglang_argv = list(sglang_argv)
 
     if config.uses_mmkv_cache:

@@ -25,7 +25,7 @@ def _register_radix_cache_backend() -> None:
         registered_radix_cache_backends,
     )
 
-    from sgl_mmkv.segments.radix_cache import build_mmkv_radix_cache
+    from sgl_mmkv.radix_cache import build_mmkv_radix_cache
 
     if RADIX_CACHE_BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(RADIX_CACHE_BACKEND_NAME, build_mmkv_radix_cache)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.testing.evaluate_fidelity_model import (
+from sgl_mmkv.benchmarking.fidelity_task import make_split, model_style
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from training.evaluate_fidelity_model import (
     SUBSET_SIZE,
     accuracy_report,
     full_prefill_answers,
 )
-from sgl_mmkv.testing.fidelity_task import make_split, model_style
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie

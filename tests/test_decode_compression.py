@@ -15,7 +15,7 @@ import torch
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from sgl_mmkv.eviction.decode_compression import DecodeCompressor, dropped_positions
+from sgl_mmkv.refresh.decode_compression import DecodeCompressor, dropped_positions
 
 PROMPT = 40
 IMAGES = ((5, 21), (24, 32))  # [start, end) row positions of two images

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.testing.evaluate_fidelity_model import accuracy_report, full_prefill_answers
-from sgl_mmkv.testing.fidelity_bench import (
+from sgl_mmkv.benchmarking.fidelity import (
     COLD,
     FidelityClient,
     PromptLayout,
@@ -22,8 +21,9 @@ from sgl_mmkv.testing.fidelity_bench import (
     measure,
     summarise,
 )
-from sgl_mmkv.testing.fidelity_task import make_split
+from sgl_mmkv.benchmarking.fidelity_task import make_split
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from training.evaluate_fidelity_model import accuracy_report, full_prefill_answers
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from sgl_mmkv.testing.fidelity_bench import kl_from_top_logprobs, scenario_requests
-from sgl_mmkv.testing.fidelity_task import (
+from sgl_mmkv.benchmarking.fidelity import kl_from_top_logprobs, scenario_requests
+from sgl_mmkv.benchmarking.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
     MAX_IMAGES,

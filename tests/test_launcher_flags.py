@@ -79,7 +79,7 @@ def test_bad_flags_raise_config_error(argv, message):
 
 def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
     from sgl_mmkv.config import EVICTION_POLICIES
-    from sgl_mmkv.eviction.scorers import EVICTION_SCORERS
+    from sgl_mmkv.scoring import EVICTION_SCORERS
 
     assert set(EVICTION_POLICIES) == {"lru", *EVICTION_SCORERS}
     config, _ = resolve_args(
@@ -166,3 +166,17 @@ def test_config_round_trips_through_the_environment(monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, "{not json")
     with pytest.raises(ConfigError, match="is not JSON"):
         active_config()
+
+
+def test_every_registered_scorer_is_a_launcher_choice():
+    from sgl_mmkv.launch_server import build_parser
+    from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS
+
+    for name in REFRESH_SCORERS:
+        assert resolve_args(["--mm-reuse", name])[0].mm_reuse == name
+    for name in EVICTION_SCORERS:
+        config, _ = resolve_args(["--mm-reuse", "conduit", "--mm-evict", name])
+        assert config.mm_evict == name and config.uses_scored_eviction
+    usage = build_parser().format_usage().replace("\n", "").replace(" ", "")
+    assert "--mm-reuse{off,exact," + ",".join(REFRESH_SCORERS) + "}" in usage
+    assert "--mm-evict{lru," + ",".join(EVICTION_SCORERS) + "}" in usage

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from sgl_mmkv.segments.radix_cache import ACTIVE_LOG_PREFIX
+from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 

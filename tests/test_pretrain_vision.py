@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from sgl_mmkv.testing.pretrain_vision import (
+from training.pretrain_vision import (
     ATTRIBUTES,
     AttributeHeads,
     attribute_labels,
@@ -22,7 +22,7 @@ def model_and_processor(tmp_path_factory):
     from transformers import AutoProcessor
 
     from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
-    from sgl_mmkv.testing.train_fidelity_model import FIDELITY_SPEC
+    from training.train_fidelity_model import FIDELITY_SPEC
 
     torch.manual_seed(0)
     model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, 0)

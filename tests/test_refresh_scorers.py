@@ -1,5 +1,5 @@
-"""One test matrix for every refresh scorer in the registry (kvpress style), plus
-each method's own defining property."""
+"""Each refresh method's own defining property (the shared invariants of every scorer
+are in test_scorers.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import math
 import pytest
 import torch
 
-from sgl_mmkv.config import REUSE_MODES
-from sgl_mmkv.refresh.scorers import SCORERS, ScoringInputs, budget_count, make_scorer
-from sgl_mmkv.refresh.scorers.attention import attention_mass
-from sgl_mmkv.refresh.scorers.conduit import image_amplification
-
-BUDGETS = (0.0, 0.05, 0.1, 0.2, 1.0)
+from sgl_mmkv.scoring import ScoringInputs, budget_count, make_refresh_scorer
+from sgl_mmkv.scoring.attention import attention_mass
+from sgl_mmkv.scoring.conduit import image_amplification
 
 
 def make_inputs(
@@ -42,48 +39,6 @@ def make_inputs(
     )
 
 
-def expected_count(name: str, budget: float, inputs: ScoringInputs) -> int:
-    if name == "full":
-        return inputs.num_visual
-    if name == "reuse":
-        return 0
-    if name == "first":
-        return sum(budget_count(budget, e - s) for s, e in inputs.image_spans)
-    return budget_count(budget, inputs.num_visual)
-
-
-def test_registry_names_are_the_cli_choices():
-    assert set(SCORERS) <= set(REUSE_MODES)
-    assert set(REUSE_MODES) - set(SCORERS) == {"off", "exact"}
-
-
-@pytest.mark.parametrize("name", sorted(SCORERS))
-@pytest.mark.parametrize("budget", BUDGETS)
-def test_selection_invariants(name, budget):
-    inputs = make_inputs()
-    scorer = make_scorer(name)
-    chosen = scorer.select(inputs, budget)
-    visual = set(inputs.visual_positions.tolist())
-
-    assert chosen.numel() == expected_count(name, budget, inputs)
-    assert set(chosen.tolist()) <= visual  # only image tokens are refreshed
-    assert chosen.unique().numel() == chosen.numel()  # no token twice
-    assert torch.equal(chosen, chosen.sort().values)
-    assert torch.equal(scorer.select(inputs, budget), chosen)  # deterministic
-
-
-@pytest.mark.parametrize("name", sorted(set(SCORERS) - {"first", "full", "reuse"}))
-@pytest.mark.parametrize("budget", (0.05, 0.1, 0.2))
-def test_chosen_tokens_are_exactly_the_top_scored(name, budget):
-    inputs = make_inputs(seed=3)
-    scorer = make_scorer(name)
-    scores = scorer.score(inputs)
-    assert scores.shape == (inputs.num_visual,) and torch.isfinite(scores).all()
-    chosen = scorer.select(inputs, budget)
-    in_chosen = torch.isin(inputs.visual_positions, chosen)
-    assert scores[in_chosen].min() >= scores[~in_chosen].max()
-
-
 def test_budget_count_is_ceil_and_validated():
     assert budget_count(0.1, 48) == math.ceil(4.8) == 5
     assert budget_count(0.1, 40) == 4
@@ -94,7 +49,7 @@ def test_budget_count_is_ceil_and_validated():
 
 def test_unknown_scorer_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown refresh scorer 'magic'"):
-        make_scorer("magic")
+        make_refresh_scorer("magic")
 
 
 def test_attention_mass_matches_a_loop_over_queries_and_heads():
@@ -131,8 +86,10 @@ def test_conduit_is_prophetkv_times_value_norm_times_image_factor():
     s = (alpha * vnorm).mean(0)
     m = torch.stack([s[inputs.image_ids() == j].clamp(min=0).mean() for j in range(3)])
     want = s * (m / m.mean())[inputs.image_ids()]  # lambda = 1: c_j = m_j / mean m
-    torch.testing.assert_close(make_scorer("conduit").score(inputs), want, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(make_scorer("prophetkv").score(inputs), alpha.mean(0))
+    torch.testing.assert_close(
+        make_refresh_scorer("conduit").score(inputs), want, rtol=1e-5, atol=1e-8
+    )
+    torch.testing.assert_close(make_refresh_scorer("prophetkv").score(inputs), alpha.mean(0))
 
 
 def test_image_amplification_is_one_for_a_single_image_and_averages_to_one():
@@ -157,13 +114,13 @@ def test_conduit_prefers_the_image_the_queries_attend_to():
     steered = ScoringInputs(
         queries, boosted, inputs.values, inputs.query_positions, inputs.image_spans
     )
-    chosen = make_scorer("conduit").select(steered, 0.1)
+    chosen = make_refresh_scorer("conduit").select(steered, 0.1)
     assert ((chosen >= s) & (chosen < e)).all()
 
 
 def test_first_takes_the_leading_tokens_of_each_image():
     inputs = make_inputs()
-    chosen = make_scorer("first").select(inputs, 0.1)
+    chosen = make_refresh_scorer("first").select(inputs, 0.1)
     assert chosen.tolist() == [5, 6, 24, 25, 43, 44]
 
 
@@ -173,7 +130,7 @@ def test_cacheblend_needs_fresh_kv_and_ranks_by_deviation():
         inputs.queries, inputs.keys, inputs.values, inputs.query_positions, inputs.image_spans
     )
     with pytest.raises(ValueError, match="fresh K/V"):
-        make_scorer("cacheblend").score(plain)
+        make_refresh_scorer("cacheblend").score(plain)
     fresh_k = tuple(k.clone() for k in inputs.keys)
     fresh_k[1][30] += 100.0  # one token deviates a lot at layer 1 (layer 0 cannot)
     marked = ScoringInputs(
@@ -185,11 +142,11 @@ def test_cacheblend_needs_fresh_kv_and_ranks_by_deviation():
         fresh_keys=fresh_k,
         fresh_values=inputs.values,
     )
-    assert make_scorer("cacheblend").select(marked, 0.02).tolist() == [30]
+    assert make_refresh_scorer("cacheblend").select(marked, 0.02).tolist() == [30]
 
 
 def test_random_depends_on_its_seed_only():
     inputs = make_inputs()
-    a = make_scorer("random", seed=1).select(inputs, 0.2)
-    assert torch.equal(a, make_scorer("random", seed=1).select(make_inputs(seed=4), 0.2))
-    assert not torch.equal(a, make_scorer("random", seed=2).select(inputs, 0.2))
+    a = make_refresh_scorer("random", seed=1).select(inputs, 0.2)
+    assert torch.equal(a, make_refresh_scorer("random", seed=1).select(make_inputs(seed=4), 0.2))
+    assert not torch.equal(a, make_refresh_scorer("random", seed=2).select(inputs, 0.2))

@@ -1,4 +1,4 @@
-"""benchmarks/retrieval_probes.py end to end on a few steps, and its chance baseline."""
+"""training/retrieval_probes.py end to end on a few steps, and its chance baseline."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sgl_mmkv.testing.fidelity_task import make_example
+from sgl_mmkv.benchmarking.fidelity_task import make_example
+from training.retrieval_probes import no_retrieval_chance
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from retrieval_probes import no_retrieval_chance  # noqa: E402
 
 
 def test_no_retrieval_chance_counts_distinct_candidates():
@@ -30,7 +28,8 @@ def test_runs_end_to_end(tmp_path):
     out = tmp_path / "probes"
     command = [
         sys.executable,
-        str(ROOT / "benchmarks" / "retrieval_probes.py"),
+        "-m",
+        "training.retrieval_probes",
         "--variants", "keyed-text,marked",
         "--steps", "4",
         "--eval-every", "2",
@@ -38,7 +37,7 @@ def test_runs_end_to_end(tmp_path):
         "--jobs", "1",
         "--out-dir", str(out),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((out / "retrieval_probes.json").read_text())
     assert record["config"]["steps"] == 4 and record["config"]["max_images"] == 2

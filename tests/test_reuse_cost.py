@@ -8,7 +8,7 @@ import torch
 from sgl_mmkv.refresh.cost import reuse_flops, unchanged_prefix
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
-from sgl_mmkv.refresh.scorers import make_scorer
+from sgl_mmkv.scoring import make_refresh_scorer
 from sgl_mmkv.segments.store import Segment
 
 SHAPE = DecoderShape(
@@ -55,19 +55,19 @@ def test_little_reuse_among_much_fresh_work_costs_more_than_full_prefill():
     # compute the new images.
     plan = _plan(20, 20 + 16 * 256 + 40, [(20, 276)])
     full = SHAPE.extend_flops(plan.prefix_len, plan.seq_len)
-    assert reuse_flops(SHAPE, plan, make_scorer("conduit"), 0.1) > full
+    assert reuse_flops(SHAPE, plan, make_refresh_scorer("conduit"), 0.1) > full
     # A position-only method runs one pass: always cheaper than full prefill.
-    assert reuse_flops(SHAPE, plan, make_scorer("reuse"), 0.0) < full
+    assert reuse_flops(SHAPE, plan, make_refresh_scorer("reuse"), 0.0) < full
 
 
 def test_much_reuse_costs_a_fraction_of_full_prefill():
     spans = [(20 + 256 * i, 20 + 256 * (i + 1)) for i in range(16)]
     plan = _plan(20, 20 + 16 * 256 + 40, spans)
     full = SHAPE.extend_flops(plan.prefix_len, plan.seq_len)
-    cost = reuse_flops(SHAPE, plan, make_scorer("conduit"), 0.1)
+    cost = reuse_flops(SHAPE, plan, make_refresh_scorer("conduit"), 0.1)
     assert 0.1 * full < cost < 0.2 * full
     # CacheBlend recomputes the whole extend for its signal: never cheaper.
-    assert reuse_flops(SHAPE, plan, make_scorer("cacheblend"), 0.1) > full
+    assert reuse_flops(SHAPE, plan, make_refresh_scorer("cacheblend"), 0.1) > full
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.1, 0.5, 1.0])
@@ -81,13 +81,13 @@ def test_estimate_counts_scoring_pass_and_bounded_refresh_pass(budget):
     refresh[:20] = False
     refresh[52 - k : 52] = True
     expected = scoring + SHAPE.pass_flops(positions[refresh])
-    assert reuse_flops(SHAPE, plan, make_scorer("conduit"), budget) == expected
+    assert reuse_flops(SHAPE, plan, make_refresh_scorer("conduit"), budget) == expected
 
 
 def test_estimate_skips_a_compressed_segments_dropped_tokens_in_the_refresh_pass():
     whole = _plan(0, 120, [(20, 52)])
     compressed = _plan(0, 120, [(20, 52)], kept="even")
-    scorer = make_scorer("conduit")
+    scorer = make_refresh_scorer("conduit")
     dropped = compressed.dropped_mask()
     assert int(dropped.sum()) == 16
     # Dropped tokens run in the scoring pass only: more than the whole segment's

@@ -7,12 +7,9 @@ import os
 import pytest
 import torch
 
-from sgl_mmkv.kernels.scattered_attention import (
-    scattered_attention,
-    scattered_attention_reference,
-    scattered_attention_sdpa,
-)
-from sgl_mmkv.refresh.scorers.attention import attention_mass
+from sgl_mmkv.kernels.reference import scattered_attention_reference
+from sgl_mmkv.kernels.scattered_attention import scattered_attention, scattered_attention_sdpa
+from sgl_mmkv.scoring.attention import attention_mass
 
 TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -66,7 +63,7 @@ def test_the_triton_kernels_run_only_when_asked(monkeypatch):
 
 @pytest.mark.parametrize("chunk_elements", [1, 1000, 1 << 27])
 def test_attention_mass_is_the_same_in_any_chunking(chunk_elements, monkeypatch):
-    from sgl_mmkv.refresh.scorers import attention as module
+    from sgl_mmkv.kernels import reference as module
 
     q, k, _, slots, pos = _case(12, 6, 2, 32, 97, torch.float32, seed=5)
     whole = module.attention_mass_reference(q.cpu(), k[slots].cpu(), pos.cpu())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_mmkv.testing.fidelity_bench import FidelityClient
+from sgl_mmkv.benchmarking.fidelity import FidelityClient
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import requests
 
-from sgl_mmkv.segments.radix_cache import ACTIVE_LOG_PREFIX
+from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
 from sgl_mmkv.testing.images import make_image, png_bytes, save_png, user_message
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 

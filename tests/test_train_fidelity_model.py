@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from sgl_mmkv.testing.fidelity_task import make_example, model_style
-from sgl_mmkv.testing.train_fidelity_model import collate, train
+from sgl_mmkv.benchmarking.fidelity_task import make_example, model_style
+from training.train_fidelity_model import collate, train
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def processor(tmp_path_factory):
     from transformers import AutoProcessor
 
     from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
-    from sgl_mmkv.testing.train_fidelity_model import FIDELITY_SPEC
+    from training.train_fidelity_model import FIDELITY_SPEC
 
     model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, 0)
     out = tmp_path_factory.mktemp("fidelity") / "m"

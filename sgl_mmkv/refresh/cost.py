@@ -17,8 +17,8 @@ import torch
 
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.refresh.scorers import RefreshScorer
-from sgl_mmkv.refresh.scorers.base import budget_count
+from sgl_mmkv.scoring import TokenScorer
+from sgl_mmkv.scoring.base import budget_count
 
 
 def unchanged_prefix(plan: RequestPlan, selected: torch.Tensor, deviation_pass: bool) -> int:
@@ -69,9 +69,7 @@ def refresh_rows(
     return rows
 
 
-def reuse_flops(
-    shape: DecoderShape, plan: RequestPlan, scorer: RefreshScorer, budget: float
-) -> int:
+def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, budget: float) -> int:
     """Estimated FLOPs of serving ``plan`` with reuse, all passes.
 
     The refresh pass is bounded from above: its ``ceil(budget * image tokens)``

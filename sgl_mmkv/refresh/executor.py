@@ -34,22 +34,23 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-from sgl_mmkv.eviction.observer import PrefillObserver, observing
-from sgl_mmkv.eviction.ranker import Span, VisualRanker
+from sgl_mmkv.counters import Counters
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
 from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
+from sgl_mmkv.refresh.observer import PrefillObserver, observing
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
+from sgl_mmkv.refresh.ranker import Span, VisualRanker
 from sgl_mmkv.refresh.row_kv import row_kv
-from sgl_mmkv.refresh.scorers import RefreshScorer, ScoringInputs
 from sgl_mmkv.refresh.sub_batch import active_sub_batch
+from sgl_mmkv.scoring import ScoringInputs, TokenScorer
 from sgl_mmkv.segments.store import SegmentStore
 
 if TYPE_CHECKING:
-    from sgl_mmkv.eviction.decode_compression import DecodeCompressor
+    from sgl_mmkv.refresh.decode_compression import DecodeCompressor
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ META_INFO_KEY = "sgl_mmkv"
 
 
 @dataclass(slots=True)
-class RefreshCounters:
+class RefreshCounters(Counters):
     """Server-wide token counts of refresh forwards."""
 
     refresh_forwards: int = 0
@@ -69,9 +70,6 @@ class RefreshCounters:
     full_prefill_flops: int = 0
     seconds: float = 0.0
     ranking_seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self.__slots__}
 
 
 def rope_inv_freq_of(model) -> torch.Tensor:
@@ -106,7 +104,7 @@ class RefreshExecutor:
     def __init__(
         self,
         store: SegmentStore,
-        scorer: RefreshScorer,
+        scorer: TokenScorer,
         budget: float,
         fill_policy: str = "first",
         gate: str = "cost",

@@ -1,1 +1,2 @@
-"""Image segments and the radix cache that serves them."""
+"""The segment store (image KV owned by sgl_mmkv, keyed by content) and the index that
+classes each request's image items as prefix hits, reusable or new."""

@@ -15,12 +15,14 @@ remembers the last ``capacity`` contents (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
+
+from sgl_mmkv.counters import Counters
 
 
 @dataclass(slots=True)
-class SegmentCounters:
+class SegmentCounters(Counters):
     """Server-wide counts since start (items and their visual tokens)."""
 
     requests: int = 0
@@ -32,9 +34,6 @@ class SegmentCounters:
     prefix_tokens: int = 0
     reusable_tokens: int = 0
     new_tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def _items(req: Any) -> list[Any]:

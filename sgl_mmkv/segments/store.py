@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-from sgl_mmkv.refresh.scorers.base import top_tokens
+from sgl_mmkv.counters import Counters
+from sgl_mmkv.scoring.base import top_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Segment:
 
 
 @dataclass(slots=True)
-class StoreCounters:
+class StoreCounters(Counters):
     """Server-wide segment counts since start."""
 
     lookups: int = 0
@@ -87,9 +88,6 @@ class StoreCounters:
     compressions: int = 0
     compressed_tokens: int = 0
     flushed: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class SegmentStore:

@@ -78,12 +78,14 @@ class ServerProcess:
         log_path: str | Path | None = None,
         port: int | None = None,
         env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
         self._module, self._model_path, self._extra_args = module, model_path, extra_args
         self._chosen_port = port is None
         self._log_path_given = log_path
         self._use_port(port or free_port())
         self._env = env if env is not None else stock_cpu_env()
+        self._cwd = cwd
         self.process: subprocess.Popen | None = None
 
     def _use_port(self, port: int) -> None:
@@ -131,7 +133,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self._env
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self._env, cwd=self._cwd
         )
         log.close()
 

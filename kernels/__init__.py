@@ -1,1 +1,0 @@
-"""Triton kernels (and FlashInfer adapters) with their torch references."""

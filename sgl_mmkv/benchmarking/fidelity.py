@@ -1,0 +1,379 @@
+"""Fidelity of KV reuse, measured through a running server exactly as a user sees it.
+
+For each test example and scenario, a *reference* request is served cold (radix
+cache flushed: full prefill) and a *probe* with the same final prompt is served
+after the scenario's warm-up requests put the same images in the cache under
+another context. Probe vs. reference gives: exact-match accuracy, first-token
+agreement, the KL divergence of the first next-token distribution (from the
+returned top-k logprobs), and the server's cached-token count.
+
+Scenarios:
+    repeat          the identical prompt again (exact-prefix reuse)
+    changed_prefix  images first served after another system prompt and preamble
+    reordered       images first served in another order
+    multi_turn      turn 1 shows images 1..n-1; turn 2 adds image n and asks about
+                    any image (the earlier ones asked about again)
+    cold            no warm-up: the probe is the prompt served cold, for servers
+                    that change decoding (``--mm-compress-at decode``); its
+                    reference comes from another, uncompressed server
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import openai
+import requests
+
+from sgl_mmkv.benchmarking.fidelity_task import (
+    Example,
+    chat_messages,
+    score,
+)
+from sgl_mmkv.testing.images import image_part
+from sgl_mmkv.testing.server import mmkv_stats
+
+SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn")
+COLD = "cold"
+TOP_K = 10
+MAX_TOKENS = 6
+OTHER_SYSTEM = "You are a careful assistant that studies pictures."
+OTHER_PREAMBLE = "Some pictures from an album, to look at before the question."
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the server returned for one request."""
+
+    text: str
+    first_token: str
+    first_top_logprobs: dict[str, float]
+    prompt_tokens: int
+    cached_tokens: int
+    latency_s: float
+
+
+@dataclass(slots=True)
+class ProbeRecord:
+    """One (example, scenario) measurement."""
+
+    uid: str
+    qtype: str
+    num_images: int
+    scenario: str
+    answer: str
+    reference: str
+    probe: str
+    reference_correct: bool
+    probe_correct: bool
+    first_token_agree: bool
+    first_token_kl: float
+    prompt_tokens: int
+    reference_cached_tokens: int
+    probe_cached_tokens: int
+    image_tokens: int
+    probe_cached_image_tokens: int
+    probe_latency_s: float
+    probe_reused_tokens: int = 0
+    probe_refreshed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ScenarioSummary:
+    mode: str
+    budget: float | None
+    scenario: str
+    n: int
+    full_prefill_accuracy: float
+    accuracy: float
+    relative_accuracy: float
+    first_token_agreement: float
+    reply_agreement: float  # the probe's whole reply equals the reference's
+    mean_first_token_kl: float
+    mean_prompt_tokens: float
+    mean_cached_tokens: float
+    mean_cached_image_tokens: float
+    mean_reused_tokens: float
+    mean_refreshed_tokens: float
+    mean_probe_latency_s: float
+    per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
+
+
+def kl_from_top_logprobs(reference: dict[str, float], probe: dict[str, float]) -> float:
+    """KL(reference || probe) over the reference's top-k tokens.
+
+    Each distribution is known only on its top-k; a reference token missing from
+    the probe's top-k gets the probe's smallest returned logprob (an upper bound
+    on its probability), and the reference mass outside its top-k is ignored.
+    Both choices bias the estimate towards 0; identical distributions give 0.
+    """
+    if not reference:
+        raise ValueError("reference has no logprobs")
+    floor = min(probe.values()) if probe else math.log(1e-9)
+    kl = 0.0
+    for token, ref_lp in reference.items():
+        kl += math.exp(ref_lp) * (ref_lp - probe.get(token, floor))
+    return max(kl, 0.0)
+
+
+class FidelityClient:
+    """Sends the benchmark's requests to one server."""
+
+    def __init__(self, base_url: str, max_tokens: int = MAX_TOKENS) -> None:
+        self.base_url = base_url
+        self.max_tokens = max_tokens
+        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Empty the server's caches. SGLang refuses (400) while a request is still
+        being retired after its response was sent, so retry for a while."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            response = requests.post(self.base_url + "/flush_cache", timeout=60)
+            if response.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
+            time.sleep(0.2)
+
+    def refresh_counters(self) -> dict[str, int]:
+        """sgl_mmkv's server-wide refresh counters (zeros on a stock server)."""
+        return mmkv_stats(self.base_url).get("refresh") or {}
+
+    def chat(self, messages: list[dict]) -> Reply:
+        started = time.monotonic()
+        r = self.client.chat.completions.create(
+            model="default",
+            messages=messages,
+            max_tokens=self.max_tokens,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=TOP_K,
+        )
+        latency = time.monotonic() - started
+        first = r.choices[0].logprobs.content[0]
+        details = r.usage.prompt_tokens_details
+        return Reply(
+            text=r.choices[0].message.content or "",
+            first_token=first.token,
+            first_top_logprobs={t.token: t.logprob for t in first.top_logprobs},
+            prompt_tokens=r.usage.prompt_tokens,
+            cached_tokens=(details.cached_tokens or 0) if details else 0,
+            latency_s=latency,
+        )
+
+
+def scenario_requests(
+    example: Example, scenario: str, part: Callable[..., dict] = image_part
+) -> tuple[list[list[dict]], list[dict]]:
+    """(warm-up requests, final prompt) of one scenario; the final prompt is what
+    both the cold reference and the probe send. ``part`` renders an image part."""
+    canonical = chat_messages(example, part)
+    n = len(example.images)
+    if scenario == COLD:
+        return [], canonical
+    if scenario == "repeat":
+        return [canonical], canonical
+    if scenario == "changed_prefix":
+        warm = chat_messages(example, part, system=OTHER_SYSTEM, preamble=OTHER_PREAMBLE)
+        return [warm], canonical
+    if scenario == "reordered":
+        order = list(reversed(range(n))) if n > 1 else [0]
+        return [chat_messages(example, part, order=order)], canonical
+    if scenario == "multi_turn":
+        return _multi_turn(canonical, n)
+    raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+
+
+class ReferenceReplies:
+    """Cold replies of another server (flushed before each), each prompt served once."""
+
+    def __init__(self, client: FidelityClient) -> None:
+        self.client = client
+        self._replies: dict[str, Reply] = {}
+
+    def flush(self) -> None:
+        """Nothing to do: :meth:`chat` flushes the other server before serving."""
+
+    def chat(self, messages: list[dict]) -> Reply:
+        key = json.dumps(messages, sort_keys=True, default=str)
+        if key not in self._replies:
+            self.client.flush()
+            self._replies[key] = self.client.chat(messages)
+        return self._replies[key]
+
+
+def _multi_turn(full: list[dict], n: int) -> tuple[list[list[dict]], list[dict]]:
+    """Turn 1: images 1..n-1 with a fixed question and a fixed assistant reply;
+    turn 2: image n and the example's question (which may name any image)."""
+    system, user = full
+    content = user["content"]
+    # Each image contributes three parts: label, image, newline; the question is last.
+    split = 3 * (n - 1)
+    first_turn = content[:split] or [{"type": "text", "text": "Hello.\n"}]
+    turn1 = [system, {"role": "user", "content": [*first_turn, _text("Remember these.")]}]
+    conversation = [
+        *turn1,
+        {"role": "assistant", "content": "OK."},
+        {"role": "user", "content": content[split:]},
+    ]
+    return [turn1], conversation
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def measure(
+    client: FidelityClient,
+    layout: PromptLayout,
+    examples: Iterable[Example],
+    scenarios: Iterable[str] = SCENARIOS,
+    references: FidelityClient | ReferenceReplies | None = None,
+) -> list[ProbeRecord]:
+    """Run every scenario on every example; see the module docstring. The cold
+    references come from ``references`` (default: ``client`` itself)."""
+    references = references or client
+    records = []
+    for example in examples:
+        for scenario in scenarios:
+            warmups, final = scenario_requests(example, scenario)
+            image_mask = layout.image_mask(
+                lambda part, ex=example, sc=scenario: scenario_requests(ex, sc, part)[1]
+            )
+            references.flush()
+            reference = references.chat(final)
+            client.flush()
+            for warm in warmups:
+                client.chat(warm)
+            before = client.refresh_counters()
+            probe = client.chat(final)
+            after = client.refresh_counters()
+            if len(image_mask) != probe.prompt_tokens:
+                raise RuntimeError(
+                    f"local prompt has {len(image_mask)} tokens, the server's "
+                    f"{probe.prompt_tokens}: the processor and the server disagree"
+                )
+            answer = example.answer
+            record = ProbeRecord(
+                uid=example.uid(),
+                qtype=example.qtype,
+                num_images=len(example.images),
+                scenario=scenario,
+                answer=answer,
+                reference=reference.text,
+                probe=probe.text,
+                reference_correct=score(reference.text, answer),
+                probe_correct=score(probe.text, answer),
+                first_token_agree=reference.first_token == probe.first_token,
+                first_token_kl=kl_from_top_logprobs(
+                    reference.first_top_logprobs, probe.first_top_logprobs
+                ),
+                prompt_tokens=probe.prompt_tokens,
+                reference_cached_tokens=reference.cached_tokens,
+                probe_cached_tokens=probe.cached_tokens,
+                image_tokens=sum(image_mask),
+                probe_cached_image_tokens=sum(image_mask[: probe.cached_tokens]),
+                probe_latency_s=probe.latency_s,
+                probe_reused_tokens=after.get("reused_tokens", 0) - before.get("reused_tokens", 0),
+                probe_refreshed_tokens=after.get("refreshed_tokens", 0)
+                - before.get("refreshed_tokens", 0),
+            )
+            records.append(record)
+    return records
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarise(
+    mode: str, records: list[ProbeRecord], budget: float | None = None
+) -> list[ScenarioSummary]:
+    summaries = []
+    for scenario in dict.fromkeys(r.scenario for r in records):
+        rs = [r for r in records if r.scenario == scenario]
+        full = _mean([float(r.reference_correct) for r in rs])
+        acc = _mean([float(r.probe_correct) for r in rs])
+        qtypes = sorted({r.qtype for r in rs})
+        summaries.append(
+            ScenarioSummary(
+                mode=mode,
+                budget=budget,
+                scenario=scenario,
+                n=len(rs),
+                full_prefill_accuracy=full,
+                accuracy=acc,
+                relative_accuracy=acc / full if full > 0 else float("nan"),
+                first_token_agreement=_mean([float(r.first_token_agree) for r in rs]),
+                reply_agreement=_mean([float(r.probe == r.reference) for r in rs]),
+                mean_first_token_kl=_mean([r.first_token_kl for r in rs]),
+                mean_prompt_tokens=_mean([r.prompt_tokens for r in rs]),
+                mean_cached_tokens=_mean([r.probe_cached_tokens for r in rs]),
+                mean_cached_image_tokens=_mean([r.probe_cached_image_tokens for r in rs]),
+                mean_reused_tokens=_mean([r.probe_reused_tokens for r in rs]),
+                mean_refreshed_tokens=_mean([r.probe_refreshed_tokens for r in rs]),
+                mean_probe_latency_s=_mean([r.probe_latency_s for r in rs]),
+                per_qtype_accuracy={
+                    q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
+                },
+            )
+        )
+    return summaries
+
+
+class PromptLayout:
+    """Which positions of a prompt are image tokens, from the model's own processor."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def image_mask(self, messages_fn: Callable[..., list[dict]]) -> list[bool]:
+        """Per prompt token: is it an image token? ``messages_fn(image_part)`` builds
+        the same messages the server gets, with local image parts."""
+        images: list = []
+
+        def local_part(image) -> dict:
+            images.append(image)
+            return {"type": "image"}
+
+        messages = messages_fn(local_part)
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.processor(text=[text], images=images or None, return_tensors="pt")
+        return [int(t) == self.image_token_id for t in ids["input_ids"][0]]
+
+
+def format_table(summaries: list[ScenarioSummary]) -> str:
+    header = (
+        f"{'mode':<13} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
+        f"{'rel acc':>7} {'1st agree':>9} {'reply agree':>11} {'KL':>8} {'prompt':>7} "
+        f"{'cached':>7} "
+        f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        budget = "-" if s.budget is None else f"{s.budget:g}"
+        lines.append(
+            f"{s.mode:<13} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
+            f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
+            f"{s.reply_agreement:>11.3f} {s.mean_first_token_kl:>8.4f} "
+            f"{s.mean_prompt_tokens:>7.1f} {s.mean_cached_tokens:>7.1f} "
+            f"{s.mean_cached_image_tokens:>10.1f} "
+            f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f} "
+            f"{s.mean_probe_latency_s:>9.3f}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(summaries: list[ScenarioSummary], records: dict[str, list[ProbeRecord]]) -> dict:
+    return {
+        "summaries": [asdict(s) for s in summaries],
+        "records": {mode: [asdict(r) for r in rs] for mode, rs in records.items()},
+    }

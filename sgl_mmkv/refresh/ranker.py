@@ -1,0 +1,121 @@
+"""Rankings of an extend's image tokens, from the prefill of the request that shows them.
+
+When ``--mm-evict`` names a scorer, the refresh executor observes the queries and
+attention inputs of the text tokens of each request with images to rank
+(:class:`~sgl_mmkv.refresh.observer.PrefillObserver`), and after the forward this
+ranker scores those images' tokens against the request's own row of KV. New
+images' rankings go into their segments (compression later keeps their top
+tokens); with ``--mm-compress-at decode`` every image of the extend is ranked and
+the request's own row keeps its top tokens for decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sgl_mmkv.refresh.observer import PrefillObserver, QueryProjector
+from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.row_kv import row_keys
+from sgl_mmkv.scoring import ScoringInputs, TokenScorer
+
+Span = tuple[int, int]
+# Which ``[start, end)`` row spans of a plan are ranked.
+SpansOf = Callable[[RequestPlan], list[Span]]
+
+
+def fill_spans(plan: RequestPlan) -> list[Span]:
+    """The images of ``plan`` that enter the segment store."""
+    return [(f.start, f.end) for f in plan.fills]
+
+
+def extend_image_spans(plan: RequestPlan) -> list[Span]:
+    """Every image of ``plan`` computed in this extend (new, reused or refreshed)."""
+    return list(plan.images)
+
+
+class VisualRanker:
+    """Args:
+    scorer: the ``--mm-evict`` scorer.
+    budget: ``--mm-kv-budget`` (AirCache's layer budgets depend on it).
+    spans_of: which images of a request are ranked (:func:`fill_spans` or
+        :func:`extend_image_spans`).
+    """
+
+    def __init__(self, scorer: TokenScorer, budget: float, spans_of: SpansOf = fill_spans) -> None:
+        self.scorer = scorer
+        self.budget = budget
+        self.spans_of = spans_of
+        self._projector: QueryProjector | None = None
+
+    def observer_for(
+        self, plans: list[RequestPlan], active: list[torch.Tensor] | None = None
+    ) -> PrefillObserver | None:
+        """An observer of the text rows of every request with images to rank.
+
+        ``active``: per request, the tokens the pass runs (a refresh pass); None for
+        a whole extend.
+        """
+        rows = {}
+        for plan in plans:
+            if not self.spans_of(plan):
+                continue
+            text = plan.text_mask()
+            text[-1] = True  # the last prompt token is always an observer
+            if active is not None:
+                text = text[active[plan.index]]
+            rows[plan.index] = text.nonzero().flatten()
+        return PrefillObserver(rows) if rows else None
+
+    def rank_batch(
+        self,
+        observer: PrefillObserver | None,
+        model_runner,
+        forward_batch,
+        plans: list[RequestPlan],
+        active: list[torch.Tensor] | None = None,
+    ) -> dict[int, dict[Span, torch.Tensor]]:
+        """Request index -> ``[start, end)`` -> ``(end - start,)`` float32 ranking of
+        the image's tokens (higher: keep), for every ranked image of the batch."""
+        if observer is None:
+            return {}
+        ranked = {}
+        for plan in plans:
+            spans = self.spans_of(plan)
+            if spans and plan.index in observer.queries:
+                mask = None if active is None else active[plan.index]
+                rankings = self.rankings(observer, model_runner, forward_batch, plan, spans, mask)
+                ranked[plan.index] = dict(zip(spans, rankings, strict=True))
+        return ranked
+
+    def rankings(
+        self,
+        observer: PrefillObserver,
+        model_runner,
+        forward_batch,
+        plan: RequestPlan,
+        spans: list[Span],
+        active: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Per span of ``spans``, ``(n,)`` float32 ranking of its tokens (higher: keep)."""
+        if self._projector is None:
+            self._projector = QueryProjector(model_runner.model)
+        pass_rows = active if active is not None else torch.ones(plan.seq_len - plan.prefix_len)
+        positions = pass_rows.bool().nonzero().flatten() + plan.prefix_len
+        query_positions = positions[observer.rows[plan.index]]
+        per_layer = observer.queries[plan.index]
+        layers = sorted(per_layer)
+        keys = row_keys(model_runner, forward_batch, plan.index)
+        stats = observer.hidden_stats.get(plan.index, {})
+        inputs = ScoringInputs(
+            queries=tuple(per_layer[layer] for layer in layers),
+            keys=tuple(keys[layer].float().cpu() for layer in layers),
+            values=(),
+            query_positions=query_positions,
+            image_spans=tuple(spans),
+            hidden_stats=tuple(stats[layer] for layer in layers) if stats else None,
+            project_queries=self._projector,
+        )
+        ranking = self.scorer.ranking(inputs, self.budget).float()
+        return list(ranking.split([end - start for start, end in spans]))

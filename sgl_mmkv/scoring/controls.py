@@ -1,0 +1,68 @@
+"""The controls every method is measured against, no attention needed: ``first`` (EPIC /
+MPIC style), ``random`` (the floor), ``full`` (budget 1) and ``reuse`` (budget 0)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer, budget_count
+
+
+@dataclass
+class FirstTokensScorer(TokenScorer):
+    """EPIC / MPIC style: the first ``ceil(r * n_j)`` tokens of every image."""
+
+    name: ClassVar[str] = "first"
+    needs_attention: ClassVar[bool] = False
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        offsets = torch.cat([torch.arange(e - s) for s, e in inputs.image_spans])
+        return -offsets.float()
+
+    def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
+        chosen = [torch.arange(s, s + budget_count(budget, e - s)) for s, e in inputs.image_spans]
+        return torch.cat(chosen).sort().values
+
+
+@dataclass
+class RandomScorer(TokenScorer):
+    """A seeded random subset: the floor every real score must beat."""
+
+    name: ClassVar[str] = "random"
+    needs_attention: ClassVar[bool] = False
+    seed: int = 0
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.rand(inputs.num_visual, generator=generator)
+
+
+@dataclass
+class FullRecomputeScorer(TokenScorer):
+    """``full``: every visual token is recomputed, whatever the budget."""
+
+    name: ClassVar[str] = "full"
+    needs_attention: ClassVar[bool] = False
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        return torch.ones(inputs.num_visual)
+
+    def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
+        return inputs.visual_positions
+
+
+@dataclass
+class NoRefreshScorer(TokenScorer):
+    """``reuse``: budget 0, only the text is recomputed over the re-positioned KV."""
+
+    name: ClassVar[str] = "reuse"
+    needs_attention: ClassVar[bool] = False
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        return torch.zeros(inputs.num_visual)
+
+    def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
+        return inputs.visual_positions[:0]

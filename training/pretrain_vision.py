@@ -1,0 +1,156 @@
+"""Supervised pretraining of the tiny Qwen2-VL's vision tower on the task's image attributes.
+
+Trained only through the language model's answers, the tiny vision tower never
+learns shape kinds: a 600-step run with one image per prompt and only "What shape
+is ...?" questions answers the majority kind every time
+(``benchmarks/retrieval_probes.py --variants kind --max-images 1``). The same
+tower with a linear head per attribute on its merged tokens learns kinds in about a
+hundred steps. Real VLMs start from a pretrained vision encoder too; this stage
+gives the tiny one what it must see before the language model learns to ask.
+
+The heads read the ``(16, hidden)`` merged tokens of one image, flattened, so the
+quadrant is decodable; they are discarded afterwards (the checkpoint is a plain
+Qwen2-VL).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from sgl_mmkv.benchmarking.fidelity_task import (
+    BACKGROUNDS,
+    COLOURS,
+    KINDS,
+    QUADRANTS,
+    QUESTION_STYLES,
+    ShapeImage,
+    make_example,
+)
+
+ATTRIBUTES: dict[str, int] = {
+    "colour": len(COLOURS),
+    "background": len(BACKGROUNDS),
+    "kind": len(KINDS),
+    "quadrant": len(QUADRANTS),
+    "marked": 2,
+}
+TOKENS_PER_IMAGE = 16
+
+
+def attribute_labels(images: list[ShapeImage]) -> dict[str, torch.Tensor]:
+    """``{attribute: (N,) class indices}`` of ``images``."""
+    colours = [name for name, _ in COLOURS]
+    return {
+        "colour": torch.tensor([colours.index(im.colour) for im in images]),
+        "background": torch.tensor([im.background for im in images]),
+        "kind": torch.tensor([KINDS.index(im.kind) for im in images]),
+        "quadrant": torch.tensor([QUADRANTS.index(im.quadrant) for im in images]),
+        "marked": torch.tensor([int(im.marked) for im in images]),
+    }
+
+
+def draw_images(rng: random.Random, count: int, split: str = "train") -> list[ShapeImage]:
+    """``count`` single images of ``split``, half of them marked."""
+    return [
+        make_example(
+            split, rng.randrange(10**9), num_images=1, style=rng.choice(QUESTION_STYLES)
+        ).images[0]
+        for _ in range(count)
+    ]
+
+
+class AttributeHeads(torch.nn.Module):
+    """One linear classifier per attribute over an image's flattened merged tokens."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleDict(
+            {
+                name: torch.nn.Linear(TOKENS_PER_IMAGE * hidden_size, classes)
+                for name, classes in ATTRIBUTES.items()
+            }
+        )
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``tokens``: ``(N, 16, hidden)`` -> ``{attribute: (N, classes) logits}``."""
+        flat = tokens.flatten(1)
+        return {name: head(flat) for name, head in self.heads.items()}
+
+
+def merged_tokens(model, processor, images: list[ShapeImage]) -> torch.Tensor:
+    """``(N, 16, hidden)``: the vision tower's merged tokens (the decoder's image input)."""
+    encoded = processor.image_processor(images=[im.render() for im in images], return_tensors="pt")
+    device = next(model.parameters()).device
+    out = model.model.visual(
+        encoded["pixel_values"].to(device), grid_thw=encoded["image_grid_thw"].to(device)
+    )
+    tokens = out.pooler_output if hasattr(out, "pooler_output") else out
+    return tokens.reshape(len(images), TOKENS_PER_IMAGE, -1)
+
+
+@torch.no_grad()
+def attribute_accuracy(model, processor, heads: AttributeHeads, images: list[ShapeImage]) -> dict:
+    """Held-out accuracy per attribute."""
+    logits = heads(merged_tokens(model, processor, images))
+    labels = attribute_labels(images)
+    return {
+        name: round(float((logits[name].argmax(-1).cpu() == labels[name]).float().mean()), 4)
+        for name in ATTRIBUTES
+    }
+
+
+def pretrain_vision(
+    model,
+    processor,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    num_validation: int = 200,
+    log_every: int = 50,
+) -> dict:
+    """Train ``model``'s vision tower (and merger) with :class:`AttributeHeads` for
+    ``steps`` steps of ``batch_size`` single images; the language model is untouched.
+    Returns the recipe and the held-out accuracy per attribute along the way."""
+    rng = random.Random(seed * 7919 + 1)
+    device = next(model.parameters()).device
+    heads = AttributeHeads(model.config.text_config.hidden_size).to(device)
+    visual = model.model.visual
+    optimizer = torch.optim.AdamW(
+        [*visual.parameters(), *heads.parameters()], lr=lr, weight_decay=0.01
+    )
+    validation = draw_images(random.Random(seed * 7919 + 2), num_validation, split="validation")
+    visual.train()
+    started = time.monotonic()
+    history = []
+    for step in range(1, steps + 1):
+        images = draw_images(rng, batch_size)
+        logits = heads(merged_tokens(model, processor, images))
+        labels = attribute_labels(images)
+        loss = sum(
+            torch.nn.functional.cross_entropy(logits[name], labels[name].to(device))
+            for name in ATTRIBUTES
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % log_every == 0 or step == steps:
+            entry = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "val": attribute_accuracy(model, processor, heads, validation),
+                "s": round(time.monotonic() - started),
+            }
+            history.append(entry)
+            print({"vision_pretrain": entry}, flush=True)
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seconds": round(time.monotonic() - started),
+        "validation_accuracy": history[-1]["val"] if history else None,
+        "history": history,
+    }
