@@ -30,7 +30,7 @@ from sgl_mmkv.benchmarking.fidelity import FidelityClient
 from sgl_mmkv.benchmarking.fidelity_task import chat_messages, make_split, model_style
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.images import image_part
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
 
@@ -64,7 +64,7 @@ def run_side(name: str, flags: list[str], args, prompts: list[list[dict]]) -> di
     server = ServerProcess(
         "sgl_mmkv.launch_server",
         args.model_path,
-        [*flags, *CPU_SERVER_ARGS],
+        [*flags, REPORT_REUSE, *CPU_SERVER_ARGS],
         log_path=args.out_dir / f"{name}.log",
     )
     with server:

@@ -35,7 +35,7 @@ from sgl_mmkv.benchmarking.fidelity import (
 from sgl_mmkv.benchmarking.fidelity_task import make_split, model_style
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
 # Scorer modes run at every --budgets value; `reuse` (budget 0) and `full` (every
@@ -91,7 +91,7 @@ def server_for(
 def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
     """``python -m sgl_mmkv.launch_server`` with ``flags`` and the CPU settings."""
     return ServerProcess(
-        "sgl_mmkv.launch_server", model, [*flags, *CPU_SERVER_ARGS], log_path=log_path
+        "sgl_mmkv.launch_server", model, [*flags, REPORT_REUSE, *CPU_SERVER_ARGS], log_path=log_path
     )
 
 

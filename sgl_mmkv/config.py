@@ -20,7 +20,7 @@ CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 REUSE_MODES: dict[str, str] = {
     "off": "stock SGLang: no sgl_mmkv code in the scheduler",
     "exact": "sgl_mmkv's radix cache, exact-prefix reuse only (same hits as stock)",
-    **{name: (cls.__doc__ or name).split("\n")[0] for name, cls in REFRESH_SCORERS.items()},
+    **{name: cls.summary or name for name, cls in REFRESH_SCORERS.items()},
 }
 CACHE_ONLY_MODES: tuple[str, ...] = ("off", "exact")
 
@@ -98,6 +98,8 @@ class MMKVConfig:
             in (0, 1].
         mm_compress_at: one of :data:`COMPRESS_TRIGGERS`.
         mm_reuse_gate: one of :data:`REUSE_GATES`.
+        mm_report_reuse: whether reuse facts reach callers (per-request meta info,
+            ``/get_server_info``); off by default, since they reveal other clients' images.
     """
 
     mm_reuse: str = _flag("off", "image KV reuse mode", REUSE_MODES)
@@ -124,6 +126,12 @@ class MMKVConfig:
         "whether a matched image is reused when reuse costs more than a full prefill",
         REUSE_GATES,
     )
+    mm_report_reuse: bool = _flag(
+        False,
+        "return per-request reuse facts (meta_info['sgl_mmkv'], a log line) and "
+        "sgl_mmkv's counters in /get_server_info; they tell a caller whether another "
+        "client sent an image (off: only Prometheus metrics with --enable-metrics)",
+    )
 
     def __post_init__(self) -> None:
         _require_choice("--mm-reuse", self.mm_reuse, REUSE_MODES)
@@ -142,6 +150,10 @@ class MMKVConfig:
                 f"--mm-reuse-gate {self.mm_reuse_gate} needs a refresh mode of --mm-reuse, "
                 f"not {self.mm_reuse}"
             )
+        if self.mm_report_reuse is not False and self.mm_report_reuse is not True:
+            raise ConfigError(f"--mm-report-reuse is a switch, got {self.mm_report_reuse!r}")
+        if self.mm_report_reuse and not self.uses_mmkv_cache:
+            raise ConfigError("--mm-report-reuse needs --mm-reuse other than off")
         self._check_eviction()
 
     def _check_eviction(self) -> None:

@@ -25,7 +25,7 @@ FIRST_SYSTEM = "You are shown an album of pictures. Look at them carefully."
 SECOND_SYSTEM = "You answer questions about the images in few words."
 # The tiny model's images are 16 tokens each; the cost gate would decline reuse
 # that saves so little, so the demo asks for every match to be reused.
-MMKV_FLAGS = ("--mm-reuse", "conduit", "--mm-reuse-gate", "always")
+MMKV_FLAGS = ("--mm-reuse", "conduit", "--mm-reuse-gate", "always", "--mm-report-reuse")
 
 
 @dataclass(slots=True)

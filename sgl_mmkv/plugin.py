@@ -33,15 +33,20 @@ def _register_radix_cache_backend() -> None:
 
 def _install(config) -> None:
     _register_radix_cache_backend()
-    if config is not None and config.uses_mmkv_cache:
+    if config is not None and config.mm_report_reuse:
         from sgl_mmkv.patches import scheduler_internal_state
 
         scheduler_internal_state.register()
     if config is not None and config.uses_refresh:
-        from sgl_mmkv.patches import eager_runner_execute_extend, mm_embed_routine
+        from sgl_mmkv.patches import (
+            eager_runner_execute_extend,
+            mm_embed_routine,
+            tokenizer_caller_hashes,
+        )
 
         eager_runner_execute_extend.register()
         mm_embed_routine.register()
+        tokenizer_caller_hashes.register()
     if config is not None and config.compresses_at_decode:
         from sgl_mmkv.patches import batch_result_processor_prefill
 

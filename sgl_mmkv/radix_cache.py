@@ -28,7 +28,9 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_mmkv.config import MMKVConfig, active_config
+from sgl_mmkv.metrics import MMKVMetrics, metrics_enabled
 from sgl_mmkv.segments.index import SegmentIndex
+from sgl_mmkv.segments.key import tag_namespace
 from sgl_mmkv.segments.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class MMKVRadixCache(UnifiedRadixCache):
         super().__init__(params)
         self.mmkv_config: MMKVConfig = config
         self.segment_index = SegmentIndex()
+        self.metrics = MMKVMetrics() if metrics_enabled() else None
         if config.uses_refresh:
             self._start_refresh(config)
         logger.info(
@@ -69,13 +72,16 @@ class MMKVRadixCache(UnifiedRadixCache):
         )
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """Stock exact-prefix match, then the request's image items are classed
-        (``SegmentIndex``); the match itself is returned unchanged."""
+        """Stock exact-prefix match, then the request's namespace is recorded on its
+        multimodal inputs (the segment store's lookups and fills use it) and its image
+        items are classed (``SegmentIndex``); the match itself is returned unchanged."""
         result = super().match_prefix(params)
         if params.req is not None:
+            tag_namespace(params.req)
             counts = self.segment_index.observe(params.req, result.device_prefix_len)
             if counts is not None:
                 logger.debug("sgl_mmkv: rid=%s image segments %s", params.req.rid, counts)
+            self.publish_metrics()
         return result
 
     def _start_refresh(self, config: MMKVConfig) -> None:
@@ -113,6 +119,8 @@ class MMKVRadixCache(UnifiedRadixCache):
             ranker=ranker,
             compress_on_fill=config.mm_compress_at == "fill",
             decode_compressor=self.decode_compressor,
+            report_reuse=config.mm_report_reuse,
+            on_forward=self.publish_metrics,
         )
         set_active_executor(self.refresh_executor)
 
@@ -159,7 +167,24 @@ class MMKVRadixCache(UnifiedRadixCache):
         if self.segment_store is not None:
             # flush_cache clears the allocator right after resetting the cache.
             self.segment_store.clear(free_slots=False)
+        if getattr(self, "segment_index", None) is not None:
+            self.segment_index.forget_contents()
         super().reset()
+
+    def counter_groups(self) -> dict[str, dict[str, int | float]]:
+        """Every server-wide counter set, by group (what metrics and server info show)."""
+        groups = {"segments": self.segment_index.counters.as_dict()}
+        if self.segment_store is not None:
+            groups["store"] = self.segment_store.stats()
+            groups["refresh"] = self.refresh_executor.counters.as_dict()
+        if self.decode_compressor is not None:
+            groups["decode_compression"] = self.decode_compressor.counters.as_dict()
+        return groups
+
+    def publish_metrics(self) -> None:
+        """Counters to Prometheus (``--enable-metrics``); a no-op otherwise."""
+        if self.metrics is not None:
+            self.metrics.publish(self.counter_groups())
 
     def mmkv_stats(self) -> dict:
         """What ``/get_server_info`` shows under ``internal_states[i]["sgl_mmkv"]``."""
@@ -168,14 +193,10 @@ class MMKVRadixCache(UnifiedRadixCache):
             "refresh_budget": self.mmkv_config.mm_refresh_budget,
             "evict": self.mmkv_config.mm_evict,
             "kv_budget": self.mmkv_config.mm_kv_budget,
-            "segments": self.segment_index.counters.as_dict(),
+            **self.counter_groups(),
         }
         if self.segment_store is not None:
-            stats["store"] = self.segment_store.stats()
-            stats["refresh"] = self.refresh_executor.counters.as_dict()
             stats["pool"] = self.pool_ledger()
-        if self.decode_compressor is not None:
-            stats["decode_compression"] = self.decode_compressor.counters.as_dict()
         return stats
 
     def pool_ledger(self) -> dict[str, int | bool]:

@@ -23,7 +23,13 @@ import pytest
 import requests
 
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats, stock_cpu_env
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    REPORT_REUSE,
+    ServerProcess,
+    mmkv_stats,
+    stock_cpu_env,
+)
 
 TOKENS_PER_IMAGE = 16
 
@@ -31,7 +37,7 @@ TOKENS_PER_IMAGE = 16
 def _server_args(pool_tokens: int, *extra: str) -> list[str]:
     args = list(CPU_SERVER_ARGS)
     args[args.index("--max-total-tokens") + 1] = str(pool_tokens)
-    return [*args, "--mm-reuse", "conduit", "--mm-reuse-gate", "always", *extra]
+    return [*args, "--mm-reuse", "conduit", "--mm-reuse-gate", "always", REPORT_REUSE, *extra]
 
 
 @pytest.fixture(scope="module")

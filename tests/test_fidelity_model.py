@@ -22,7 +22,7 @@ from sgl_mmkv.benchmarking.fidelity import (
     summarise,
 )
 from sgl_mmkv.benchmarking.fidelity_task import make_split
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess
 from training.evaluate_fidelity_model import accuracy_report, full_prefill_answers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def server(tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "fidelity_exact.log"
     with ServerProcess(
-        "sgl_mmkv.launch_server", tiny_vlm, ["--mm-reuse", "exact", *CPU_SERVER_ARGS], log_path=log
+        "sgl_mmkv.launch_server",
+        tiny_vlm,
+        ["--mm-reuse", "exact", REPORT_REUSE, *CPU_SERVER_ARGS],
+        log_path=log,
     ) as proc:
         yield proc
 

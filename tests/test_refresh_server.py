@@ -17,7 +17,7 @@ from transformers import AutoProcessor
 
 from sgl_mmkv.benchmarking.fidelity import FidelityClient
 from sgl_mmkv.testing.images import data_url, make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 TOKENS_PER_IMAGE = 16
 POOL_TOKENS = 1200
@@ -27,7 +27,7 @@ def _server_args(*extra: str) -> list[str]:
     args = list(CPU_SERVER_ARGS)
     args[args.index("--max-total-tokens") + 1] = str(POOL_TOKENS)
     # Every match is reused, however little it saves: these tests check reuse itself.
-    return [*args, "--mm-reuse-gate", "always", *extra]
+    return [*args, "--mm-reuse-gate", "always", REPORT_REUSE, *extra]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from sgl_mmkv.benchmarking.fidelity import FidelityClient
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 TOKENS_PER_IMAGE = 16
 
@@ -16,7 +16,7 @@ TOKENS_PER_IMAGE = 16
 @pytest.fixture(scope="module")
 def server(tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_gate.log"
-    args = [*CPU_SERVER_ARGS, "--mm-reuse", "conduit", "--mm-refresh-budget", "0.1"]
+    args = [*CPU_SERVER_ARGS, "--mm-reuse", "conduit", "--mm-refresh-budget", "0.1", REPORT_REUSE]
     with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
         yield proc
 

@@ -108,3 +108,10 @@ def test_chosen_tokens_are_exactly_the_top_ranked(name, budget):
 def test_the_shared_selection_covers_the_attention_methods():
     # the controls with a rule of their own are the only ones outside the top-k check
     assert set(ALL) - set(SHARED_SELECT) == {"first", "full", "reuse"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_scorer_says_what_it_ranks_by(name):
+    # the summary is the scorer's line in the launcher's --help
+    summary = type(make(name)).summary
+    assert summary and "\n" not in summary and len(summary) < 100

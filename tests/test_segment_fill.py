@@ -13,7 +13,7 @@ import pytest
 
 from sgl_mmkv.benchmarking.fidelity import FidelityClient
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 IMAGE = make_image(501)
 # Two first contexts that put the image at the same positions after different text
@@ -37,7 +37,10 @@ PROBE = [
 @pytest.fixture(scope="module", params=["first", "canonical"])
 def server(request, tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / f"fill_{request.param}.log"
-    args = ["--mm-reuse", "reuse", "--mm-segment-fill", request.param, *CPU_SERVER_ARGS]
+    args = [
+        *("--mm-reuse", "reuse", "--mm-segment-fill", request.param),
+        *(REPORT_REUSE, *CPU_SERVER_ARGS),
+    ]
     with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
         proc.fill_policy = request.param
         yield proc

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sgl_mmkv.refresh.plan import constant_delta, plan_request
+from sgl_mmkv.segments.key import NAMESPACE_ATTR, Namespace, item_key
 from sgl_mmkv.segments.store import SegmentStore
 
 
@@ -115,28 +116,38 @@ def test_constant_delta_for_a_moved_mrope_image():
     assert constant_delta(moved_rows, old) is None
 
 
-def _mm(items, mrope):
-    return SimpleNamespace(mm_items=items, mrope_positions=mrope)
+SHARED = Namespace(None, None)  # no salt, no extra key, no adapter
+
+
+def _mm(items, mrope, namespace=SHARED):
+    mm = SimpleNamespace(mm_items=items, mrope_positions=mrope)
+    if namespace is not None:
+        setattr(mm, NAMESPACE_ATTR, namespace)
+    return mm
 
 
 def _item(h, start, end):
-    return SimpleNamespace(hash=h, offsets=[(start, end)])
+    return SimpleNamespace(hash=h, offsets=[(start, end)], modality=SimpleNamespace(name="IMAGE"))
+
+
+def _key(h, n, namespace=SHARED):
+    return item_key(_item(h, 0, n - 1), namespace, n)
 
 
 def test_plan_reuses_stored_images_outside_the_prefix_and_fills_new_ones(store):
     # Row: 0-2 text, 3-6 image A, 7 text, 8-11 image B, 12-13 text.
     mrope = torch.arange(14).repeat(3, 1)
-    store.fill((11, 4), store.allocator.alloc(4), (mrope[:, 3:7] - 2))
+    store.fill(_key(11, 4), store.allocator.alloc(4), (mrope[:, 3:7] - 2))
     plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope), 2, 12)
     assert [(s.start, s.end, s.delta) for s in plan.spans] == [(3, 7, 2)]
-    assert [(f.key, f.start, f.end) for f in plan.fills] == [((22, 4), 8, 12)]
+    assert [(f.key, f.start, f.end) for f in plan.fills] == [(_key(22, 4), 8, 12)]
     assert plan.reused_tokens == 4
     assert plan.reused_mask().tolist() == [False] + [True] * 4 + [False] * 7
 
 
 def test_plan_leaves_prefix_and_partial_images_alone(store):
     mrope = torch.arange(14).repeat(3, 1)
-    store.fill((11, 4), store.allocator.alloc(4), mrope[:, 3:7])
+    store.fill(_key(11, 4), store.allocator.alloc(4), mrope[:, 3:7])
     # Image A inside the exact-prefix match: stock reuse; image B past this chunk.
     plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope), 8, 2)
     assert plan.spans == [] and plan.fills == []
@@ -190,7 +201,7 @@ def test_compress_lru_goes_oldest_first_and_skips_unranked(store):
 def test_plan_of_a_compressed_segment_reuses_only_its_kept_tokens(store):
     mrope = torch.arange(14).repeat(3, 1)
     segment = store.fill(
-        (11, 4), store.allocator.alloc(4), mrope[:, 3:7], torch.tensor([4.0, 1.0, 3.0, 2.0])
+        _key(11, 4), store.allocator.alloc(4), mrope[:, 3:7], torch.tensor([4.0, 1.0, 3.0, 2.0])
     )
     store.compress(segment, 0.5)
     plan = plan_request(store, 0, _mm([_item(11, 3, 6)], mrope), 2, 12)
@@ -209,3 +220,24 @@ def test_a_pinned_segment_is_neither_evicted_nor_compressed():
     assert store.evict_lru(100) == 4 and (1, 8) in store and (2, 8) not in store
     pinned.pinned = False
     assert store.evict_lru(100) == 8 and len(store) == 0
+
+
+def test_plans_look_up_and_fill_in_their_own_namespace_only(store):
+    mrope = torch.arange(14).repeat(3, 1)
+    tenant_a, tenant_b = Namespace("seed-a", None), Namespace("seed-b", None)
+    store.fill(_key(11, 4, tenant_a), store.allocator.alloc(4), mrope[:, 3:7])
+    items = [_item(11, 3, 6)]
+    same = plan_request(store, 0, _mm(items, mrope, tenant_a), 2, 12)
+    assert len(same.spans) == 1 and same.fills == []  # the paired hit
+    other = plan_request(store, 0, _mm(items, mrope, tenant_b), 2, 12)
+    assert other.spans == [] and [f.key for f in other.fills] == [_key(11, 4, tenant_b)]
+    shared = plan_request(store, 0, _mm(items, mrope, SHARED), 2, 12)
+    assert shared.spans == [] and [f.key for f in shared.fills] == [_key(11, 4)]
+
+
+def test_an_untagged_request_reuses_and_fills_nothing(store):
+    mrope = torch.arange(14).repeat(3, 1)
+    store.fill(_key(11, 4), store.allocator.alloc(4), mrope[:, 3:7])
+    plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope, None), 2, 12)
+    assert plan.spans == [] and plan.fills == []
+    assert plan.images == [(3, 7), (8, 12)]  # still known as images of the extend

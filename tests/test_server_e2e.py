@@ -13,7 +13,7 @@ import requests
 
 from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
 from sgl_mmkv.testing.images import make_image, png_bytes, save_png, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 QUESTION = "Which of the two images is brighter?"
 
@@ -24,7 +24,7 @@ def server(tiny_vlm, tmp_path_factory):
     proc = ServerProcess(
         "sgl_mmkv.launch_server",
         tiny_vlm,
-        ["--mm-reuse", "exact", "--mm-refresh-budget", "0.25", *CPU_SERVER_ARGS],
+        ["--mm-reuse", "exact", "--mm-refresh-budget", "0.25", REPORT_REUSE, *CPU_SERVER_ARGS],
         log_path=log,
     )
     with proc:

@@ -178,8 +178,9 @@ def test_mode_names_map_to_reuse_and_eviction_flags():
         "conduit",
         "--mm-refresh-budget",
         "0.1",
+        "--mm-report-reuse",
     ]
     assert mode_flags("conduit+aircache", 0.2, 0.25) == [
-        *("--mm-reuse", "conduit", "--mm-refresh-budget", "0.2"),
+        *("--mm-reuse", "conduit", "--mm-refresh-budget", "0.2", "--mm-report-reuse"),
         *("--mm-evict", "aircache", "--mm-kv-budget", "0.25"),
     ]

@@ -15,7 +15,7 @@ import requests
 
 from sgl_mmkv.cpu_support import CPU_ENV_DEFAULTS
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def test_every_module_imports_from_the_installed_wheel(installed, tmp_path):
 
 
 def test_a_conduit_server_starts_from_the_wheel_and_reuses(installed, tiny_vlm, tmp_path):
-    args = [*CPU_SERVER_ARGS, "--mm-reuse", "conduit", "--mm-reuse-gate", "always"]
+    args = [*CPU_SERVER_ARGS, "--mm-reuse", "conduit", "--mm-reuse-gate", "always", REPORT_REUSE]
     server = ServerProcess(
         "sgl_mmkv.launch_server",
         tiny_vlm,

@@ -1,6 +1,6 @@
 """Learning curves of the fidelity task's variants: which part of retrieval fails to train.
 
-    python -m training.retrieval_probes --out-dir benchmarks/results/retrieval-probes
+    python -m training.retrieval_probes --out-dir training/results/retrieval-probes
 
 Trains the fidelity model (``FIDELITY_SPEC``, random init, same seed) from scratch
 once per variant, with an image-count curriculum up to ``--max-images``, and

@@ -16,7 +16,7 @@ from pathlib import Path
 import requests
 
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
-from sgl_mmkv.testing.server import ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
 
 STOCK = "stock"
 
@@ -95,7 +95,7 @@ def mode_flags(name: str, refresh_budget: float, kv_budget: float) -> list[str]:
     """sgl_mmkv flags of side ``name``: ``MODE`` or ``MODE+EVICT`` (``conduit+aircache``:
     ``--mm-reuse conduit --mm-evict aircache --mm-kv-budget kv_budget``)."""
     reuse, _, evict = name.partition("+")
-    flags = ["--mm-reuse", reuse, "--mm-refresh-budget", str(refresh_budget)]
+    flags = ["--mm-reuse", reuse, "--mm-refresh-budget", str(refresh_budget), REPORT_REUSE]
     if evict:
         flags += ["--mm-evict", evict, "--mm-kv-budget", str(kv_budget)]
     return flags

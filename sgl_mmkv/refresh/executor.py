@@ -99,6 +99,9 @@ class RefreshExecutor:
             (``--mm-compress-at fill``) to ``ranker.budget``.
         decode_compressor: receives each extend's rankings to shrink the requests'
             own rows after prefill (``--mm-compress-at decode``).
+        report_reuse: attach each request's reuse facts to its meta info and log them
+            (``--mm-report-reuse``); the counters are kept either way.
+        on_forward: called after every extend's counters are updated (metrics).
     """
 
     def __init__(
@@ -111,6 +114,8 @@ class RefreshExecutor:
         ranker: VisualRanker | None = None,
         compress_on_fill: bool = False,
         decode_compressor: DecodeCompressor | None = None,
+        report_reuse: bool = False,
+        on_forward: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.scorer = scorer
@@ -119,6 +124,8 @@ class RefreshExecutor:
         self.ranker = ranker
         self.counters = RefreshCounters()
         self.decode_compressor = decode_compressor
+        self.report_reuse = report_reuse
+        self.on_forward = on_forward
         compress_budget = ranker.budget if ranker is not None and compress_on_fill else None
         self.filler = SegmentFiller(store, self.counters, fill_policy, compress_budget)
         self._inv_freq: torch.Tensor | None = None
@@ -392,7 +399,8 @@ class RefreshExecutor:
     # -- observability --------------------------------------------------------------------
 
     def _report(self, forward_batch, plans, selected, out, seconds: float) -> None:
-        """Counters, a log line per reusing request, and per-request meta info."""
+        """Counters; with ``report_reuse`` also a log line per reusing request and
+        per-request meta info."""
         c = self.counters
         if selected is not None:
             c.refresh_forwards += 1
@@ -413,11 +421,13 @@ class RefreshExecutor:
                 "recomputed_tokens": recomputed,
             }
             infos.append(info)
-            if plan.spans:
+            if plan.spans and self.report_reuse:
                 rid = forward_batch.rids[plan.index] if forward_batch.rids else plan.index
                 logger.info("sgl_mmkv: rid=%s %s", rid, info)
+        if self.on_forward is not None:
+            self.on_forward()
         logits_output = getattr(out, "logits_output", out)
-        if hasattr(logits_output, "customized_info"):
+        if self.report_reuse and hasattr(logits_output, "customized_info"):
             extra = dict(logits_output.customized_info or {})
             extra[META_INFO_KEY] = infos
             logits_output.customized_info = extra

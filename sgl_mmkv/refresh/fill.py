@@ -17,7 +17,8 @@ from sgl_mmkv.refresh.attention_backend import GroupLocalAttentionBackend
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.segments.store import SegmentKey, SegmentStore
+from sgl_mmkv.segments.key import SegmentKey
+from sgl_mmkv.segments.store import SegmentStore
 
 
 class SegmentFiller:

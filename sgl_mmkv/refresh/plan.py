@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_mmkv.segments.store import Segment, SegmentKey, SegmentStore
+from sgl_mmkv.segments.key import UNTAGGED, SegmentKey, item_key, read_namespace
+from sgl_mmkv.segments.store import Segment, SegmentStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +118,12 @@ def constant_delta(new: torch.Tensor, old: torch.Tensor) -> int | None:
 def plan_request(
     store: SegmentStore, index: int, mm_inputs, prefix_len: int, extend_len: int
 ) -> RequestPlan:
-    """The reuse plan of one request of an extend batch."""
+    """The reuse plan of one request of an extend batch: its images are looked up and
+    filled in the request's own namespace only (none if its inputs were never tagged)."""
     seq_len = prefix_len + extend_len
     plan = RequestPlan(index, prefix_len, seq_len)
     plan.visual = torch.zeros(extend_len, dtype=torch.bool)
+    namespace = read_namespace(mm_inputs)
     for item in getattr(mm_inputs, "mm_items", None) or []:
         span = item_span(item)
         if span is None:
@@ -133,7 +136,9 @@ def plan_request(
             continue
         if start >= prefix_len:
             plan.images.append((start, end))
-        key: SegmentKey = (int(item.hash), end - start)
+        if namespace is UNTAGGED:
+            continue
+        key = item_key(item, namespace, end - start)
         positions = row_positions(mm_inputs, start, end)
         if start >= prefix_len:
             segment = store.lookup(key)

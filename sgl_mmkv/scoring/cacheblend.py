@@ -19,6 +19,9 @@ class CacheBlendScorer(TokenScorer):
     the paper's layer-by-layer shrinking of the set is not implemented."""
 
     name: ClassVar[str] = "cacheblend"
+    summary: ClassVar[str] = (
+        "CacheBlend: refresh the tokens whose fresh K/V deviate most at layer 1"
+    )
     needs_attention: ClassVar[bool] = False
     needs_fresh_kv: ClassVar[bool] = True
     layer: int = 1

@@ -34,6 +34,9 @@ class ConduitScorer(TokenScorer):
     image factor ``c_j`` (lambda = 1). Layer choice is the caller's (default: all)."""
 
     name: ClassVar[str] = "conduit"
+    summary: ClassVar[str] = (
+        "CONDUIT: refresh the tokens with the most attention mass x value norm, image-amplified"
+    )
     amplification: float = 1.0
     use_value_norm: bool = True
 

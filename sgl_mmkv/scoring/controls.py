@@ -16,6 +16,7 @@ class FirstTokensScorer(TokenScorer):
     """EPIC / MPIC style: the first ``ceil(r * n_j)`` tokens of every image."""
 
     name: ClassVar[str] = "first"
+    summary: ClassVar[str] = "EPIC / MPIC style: refresh the first tokens of every image"
     needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
@@ -32,6 +33,7 @@ class RandomScorer(TokenScorer):
     """A seeded random subset: the floor every real score must beat."""
 
     name: ClassVar[str] = "random"
+    summary: ClassVar[str] = "refresh a seeded random subset (the floor every score must beat)"
     needs_attention: ClassVar[bool] = False
     seed: int = 0
 
@@ -45,6 +47,7 @@ class FullRecomputeScorer(TokenScorer):
     """``full``: every visual token is recomputed, whatever the budget."""
 
     name: ClassVar[str] = "full"
+    summary: ClassVar[str] = "refresh every reused image token (equals full prefill)"
     needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
@@ -59,6 +62,7 @@ class NoRefreshScorer(TokenScorer):
     """``reuse``: budget 0, only the text is recomputed over the re-positioned KV."""
 
     name: ClassVar[str] = "reuse"
+    summary: ClassVar[str] = "refresh no image token, only the text (budget 0)"
     needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:

@@ -16,6 +16,7 @@ class ProphetKVScorer(TokenScorer):
     """ProphetKV (arXiv 2602.02579): CONDUIT's attention mass alone, layer-averaged."""
 
     name: ClassVar[str] = "prophetkv"
+    summary: ClassVar[str] = "ProphetKV: refresh the tokens with the most attention mass"
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         positions = inputs.visual_positions

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_mmkv.counters import Counters
+from sgl_mmkv.segments.key import request_namespace
 
 
 @dataclass(slots=True)
@@ -47,7 +48,7 @@ class SegmentIndex:
     def __init__(self, capacity: int = 4096, max_tracked_requests: int = 65536) -> None:
         self.capacity = capacity
         self.counters = SegmentCounters()
-        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # (namespace, item hash)
         self._observed_rids: OrderedDict[str, None] = OrderedDict()
         self._max_rids = max_tracked_requests
 
@@ -60,6 +61,7 @@ class SegmentIndex:
             return None
         self._remember(self._observed_rids, rid, self._max_rids)
         counts = {"prefix": 0, "reusable": 0, "new": 0}
+        namespace = request_namespace(req)
         c = self.counters
         c.requests += 1
         for item in items:
@@ -68,7 +70,7 @@ class SegmentIndex:
             last = max((end for _, end in offsets), default=-1)
             if last < matched_len:
                 kind = "prefix"
-            elif item.hash is not None and item.hash in self._seen:
+            elif item.hash is not None and (namespace, item.hash) in self._seen:
                 kind = "reusable"
             else:
                 kind = "new"
@@ -78,8 +80,12 @@ class SegmentIndex:
             setattr(c, f"{kind}_items", getattr(c, f"{kind}_items") + 1)
             setattr(c, f"{kind}_tokens", getattr(c, f"{kind}_tokens") + tokens)
             if item.hash is not None:
-                self._remember(self._seen, item.hash, self.capacity)
+                self._remember(self._seen, (namespace, item.hash), self.capacity)
         return counts
+
+    def forget_contents(self) -> None:
+        """Forget every content seen (the store was flushed); counters stay."""
+        self._seen.clear()
 
     @staticmethod
     def _remember(table: OrderedDict, key: Any, capacity: int) -> None:

@@ -1,7 +1,7 @@
 """Position-independent image segments: per-layer KV of one image, in slots the store owns.
 
-A segment is keyed by the image's full content key (SGLang's sha256-derived item
-hash plus its token count, never the 30-bit pad value). Its KV slots come from
+A segment is keyed by its request's namespace (salt, extra key, adapter) and the
+image's full content identity (:mod:`sgl_mmkv.segments.key`). Its KV slots come from
 SGLang's token allocator and belong to the store alone: requests never point at
 them, they get rotated *copies* (``sgl_mmkv.refresh.executor``). So a segment can
 be evicted at any time, also while a request that copied it is still decoding.
@@ -24,10 +24,9 @@ import torch
 
 from sgl_mmkv.counters import Counters
 from sgl_mmkv.scoring.base import top_tokens
+from sgl_mmkv.segments.key import SegmentKey
 
 logger = logging.getLogger(__name__)
-
-SegmentKey = tuple[int, int]  # (item hash, number of image tokens)
 
 
 @dataclass(slots=True)
@@ -35,7 +34,7 @@ class Segment:
     """One cached image.
 
     Attributes:
-        key: content key.
+        key: namespace and content key.
         slots: ``(m,)`` int64 KV slots owned by the store, one per kept token.
         positions: ``(P, n)`` int64 rotary positions the KV was computed at
             (``P = 3`` for M-RoPE: t, h, w; ``P = 1`` for 1-D RoPE), every token.

@@ -43,6 +43,11 @@ def mmkv_stats(base_url: str, timeout_s: float = 60.0) -> dict:
     return (states[0] or {}).get("sgl_mmkv") or {}
 
 
+# Tests and benchmarks read per-request reuse facts and sgl_mmkv's counters, which a
+# server reports only to an operator who asks (off by default: they reveal other
+# clients' images).
+REPORT_REUSE = "--mm-report-reuse"
+
 BIND_ERROR = "address already in use"
 
 
