@@ -45,7 +45,7 @@ from sgl_mmkv.refresh.observer import PrefillObserver, observing
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.ranker import Span, VisualRanker
 from sgl_mmkv.refresh.row_kv import row_kv
-from sgl_mmkv.refresh.sub_batch import active_sub_batch
+from sgl_mmkv.refresh.sub_batch import active_sub_batch, needs_every_row
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
 from sgl_mmkv.segments.store import SegmentStore
 
@@ -65,6 +65,7 @@ class RefreshCounters(Counters):
     reused_tokens: int = 0
     refreshed_tokens: int = 0
     declined_reuses: int = 0
+    stock_batches: int = 0  # batches with reuse run as stock (every row's outputs asked)
     recomputed_tokens: int = 0
     executed_flops: int = 0
     full_prefill_flops: int = 0
@@ -163,6 +164,9 @@ class RefreshExecutor:
         computed = self.scorer.needs_attention or self.scorer.needs_fresh_kv
         active = []
         for plan, mask, chosen in zip(plans, fresh, selected, strict=True):
+            if needs_every_row(forward_batch, plan.index):
+                active.append(torch.ones_like(mask))  # its logprobs read every row
+                continue
             skip = unchanged_prefix(plan, chosen, self.scorer.needs_fresh_kv) if computed else 0
             active.append(refresh_rows(plan, mask, chosen, computed, skip))
         observer = self.ranker.observer_for(plans, active) if self.ranker is not None else None
@@ -371,16 +375,16 @@ class RefreshExecutor:
                 plan.spans.clear()
                 self.counters.declined_reuses += 1
 
-    @staticmethod
-    def _drop_unsupported(forward_batch, plans) -> None:
-        """Requests asking input logprobs of more than their last prompt token are
-        computed in full: a restricted pass has no hidden states for those rows."""
-        if not forward_batch.return_logprob or forward_batch.extend_logprob_start_lens_cpu is None:
-            return
+    def _drop_unsupported(self, forward_batch, plans) -> None:
+        """Requests whose outputs cover more prompt rows than the last (input logprobs
+        from an earlier start) are computed in full, without reuse; a batch that
+        returns every row's hidden states runs as stock."""
+        mode = forward_batch.capture_hidden_mode
+        every_row = mode is not None and mode.is_full()
+        if every_row and any(p.spans for p in plans):
+            self.counters.stock_batches += 1
         for plan in plans:
-            i = plan.index
-            ext = forward_batch.extend_seq_lens_cpu[i]
-            if ext - forward_batch.extend_logprob_start_lens_cpu[i] > 1:
+            if every_row or needs_every_row(forward_batch, plan.index):
                 plan.spans.clear()
 
     # -- FLOPs ---------------------------------------------------------------------------

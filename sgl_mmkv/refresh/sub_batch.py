@@ -24,12 +24,22 @@ def active_token_index(forward_batch, active_masks: list[torch.Tensor]) -> torch
     return torch.cat(parts).to(forward_batch.input_ids.device)
 
 
+def needs_every_row(forward_batch, i: int) -> bool:
+    """Whether request ``i`` asks input logprobs of more prompt rows than its last, so
+    a pass whose output is returned must compute all of its extend rows."""
+    starts = forward_batch.extend_logprob_start_lens_cpu
+    if not forward_batch.return_logprob or starts is None:
+        return False
+    return forward_batch.extend_seq_lens_cpu[i] - starts[i] > 1
+
+
 def active_sub_batch(forward_batch, active_masks: list[torch.Tensor]):
     """Shallow copy of ``forward_batch`` with only the active tokens as queries.
 
     Returns ``(sub_batch, index)``; ``index`` as :func:`active_token_index`.
-    Requests asking input logprobs for more than the last token must not be
-    restricted (the executor leaves them whole).
+    A request's logprob window is clipped to its active rows, so the logits
+    processor always gets a valid window; a pass whose output is returned keeps
+    every row of the requests that :func:`needs_every_row`.
     """
     index = active_token_index(forward_batch, active_masks)
     sub = copy.copy(forward_batch)
@@ -47,7 +57,7 @@ def active_sub_batch(forward_batch, active_masks: list[torch.Tensor]):
     sub.extend_num_tokens = sum(counts)
     if forward_batch.extend_logprob_start_lens_cpu is not None:
         sub.extend_logprob_start_lens_cpu = [
-            n - (ext - start)
+            max(0, n - (ext - start))
             for n, ext, start in zip(
                 counts,
                 forward_batch.extend_seq_lens_cpu,
