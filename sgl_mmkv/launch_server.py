@@ -12,7 +12,9 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
-A bad sgl_mmkv flag exits with status 2 before anything starts.
+A bad sgl_mmkv flag, or a stock flag or model the mode does not support
+(``sgl_mmkv.support``), exits with status 2 and a one-line reason before anything
+starts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from sgl_mmkv.config import (
     export_config,
     flag_name,
 )
+from sgl_mmkv.plugin import verify_hooks
+from sgl_mmkv.support import check_server_args, check_sglang_version
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    try:
+        if config.uses_mmkv_cache:
+            check_sglang_version()
+            verify_hooks()
+        check_server_args(config, server_args)
+    except (ConfigError, RuntimeError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         run_server(server_args)
     finally:

@@ -18,6 +18,9 @@ from sgl_mmkv.config import CONFIG_ENV, RADIX_CACHE_BACKEND_NAME, active_config
 
 logger = logging.getLogger(__name__)
 
+# Targets whose hooks this process registered (checked by verify_hooks).
+REGISTERED_TARGETS: list[str] = []
+
 
 def _register_radix_cache_backend() -> None:
     from sglang.srt.mem_cache.registry import (
@@ -31,26 +34,44 @@ def _register_radix_cache_backend() -> None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND_NAME, build_mmkv_radix_cache)
 
 
+def _patches_for(config) -> list:
+    """The patch modules ``config`` needs, each registered by the plugin."""
+    from sgl_mmkv import patches
+
+    modules = []
+    if config is None:
+        return modules
+    if config.mm_report_reuse:
+        modules.append(patches.scheduler_internal_state)
+    if config.uses_refresh:
+        modules += [
+            patches.eager_runner_execute_extend,
+            patches.mm_embed_routine,
+            patches.tokenizer_caller_hashes,
+        ]
+    if config.compresses_at_decode:
+        modules.append(patches.batch_result_processor_prefill)
+    return modules
+
+
 def _install(config) -> None:
     _register_radix_cache_backend()
-    if config is not None and config.mm_report_reuse:
-        from sgl_mmkv.patches import scheduler_internal_state
+    for module in _patches_for(config):
+        module.register()
+        REGISTERED_TARGETS.append(module.TARGET)
 
-        scheduler_internal_state.register()
-    if config is not None and config.uses_refresh:
-        from sgl_mmkv.patches import (
-            eager_runner_execute_extend,
-            mm_embed_routine,
-            tokenizer_caller_hashes,
+
+def verify_hooks() -> None:
+    """Raise unless SGLang applied every hook this process registered (its registry
+    only logs a target it could not patch)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    missing = [t for t in REGISTERED_TARGETS if t not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError(
+            f"SGLang did not apply sgl_mmkv's hooks to {', '.join(missing)}: the patched "
+            "functions changed (sgl_mmkv is written against sglang 0.5.23)"
         )
-
-        eager_runner_execute_extend.register()
-        mm_embed_routine.register()
-        tokenizer_caller_hashes.register()
-    if config is not None and config.compresses_at_decode:
-        from sgl_mmkv.patches import batch_result_processor_prefill
-
-        batch_result_processor_prefill.register()
 
 
 def load() -> None:

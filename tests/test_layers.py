@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sgl_mmkv"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("kernels", "counters"),
     ("scoring",),
-    ("config", "cpu_support", "metrics"),
+    ("config", "cpu_support", "metrics", "support"),
     ("segments",),
     ("refresh",),
     ("patches",),

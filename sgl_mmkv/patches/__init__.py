@@ -4,3 +4,19 @@ Each module names the SGLang function it patches and the version it was written
 against (0.5.23), and registers its hook from a ``register()`` function that the
 plugin calls. No module here is imported by a stock server.
 """
+
+from sgl_mmkv.patches import (  # noqa: E402
+    batch_result_processor_prefill,
+    eager_runner_execute_extend,
+    mm_embed_routine,
+    scheduler_internal_state,
+    tokenizer_caller_hashes,
+)
+
+__all__ = [
+    "batch_result_processor_prefill",
+    "eager_runner_execute_extend",
+    "mm_embed_routine",
+    "scheduler_internal_state",
+    "tokenizer_caller_hashes",
+]

@@ -10,7 +10,10 @@ Without a compressor the stock method runs untouched.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TARGET = (
     "sglang.srt.managers.scheduler_components.batch_result_processor."
@@ -22,10 +25,22 @@ def process_prefill_with_compression(original, processor: Any, batch: Any, *args
     compressor = getattr(processor.tree_cache, "decode_compressor", None)
     if compressor is None or not processor.is_generation:
         return original(processor, batch, *args, **kwargs)
-    compressor.before(batch)
+    try:
+        compressor.before(batch)
+    except Exception as error:  # never the reason the scheduler dies: leave rows whole
+        _failed(compressor, error)
     result = original(processor, batch, *args, **kwargs)
-    compressor.after(batch, processor.req_to_token_pool, processor.token_to_kv_pool_allocator)
+    try:
+        compressor.after(batch, processor.req_to_token_pool, processor.token_to_kv_pool_allocator)
+    except Exception as error:
+        _failed(compressor, error)
     return result
+
+
+def _failed(compressor: Any, error: BaseException) -> None:
+    compressor.abandon()
+    compressor.counters.failures += 1
+    logger.warning("sgl_mmkv: decode compression failed (%r); rows left whole", error)
 
 
 def register() -> None:

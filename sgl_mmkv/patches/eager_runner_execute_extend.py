@@ -5,6 +5,8 @@ AROUND hook: when this scheduler process runs sgl_mmkv's refresh executor (a
 ``--mm-reuse`` scorer mode), every eager extend forward goes through
 :meth:`RefreshExecutor.execute_extend`, which calls the stock method on the whole
 batch when nothing is reused and on active-token sub-batches when something is.
+If anything in that path raises, the executor answers the batch as stock (a
+stock fallback, counted as ``fallbacks``).
 Without an executor the stock method runs untouched.
 """
 

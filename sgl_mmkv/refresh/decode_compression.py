@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_mmkv.counters import Counters
+from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.ranker import Span
 from sgl_mmkv.scoring.base import top_tokens
@@ -37,6 +38,7 @@ class DecodeCompressionCounters(Counters):
     compressed_requests: int = 0
     freed_tokens: int = 0
     skipped_requests: int = 0  # planned, but finished, retracted or still chunked
+    failures: int = 0  # batches left uncompressed because compressing them raised
 
 
 @dataclass(slots=True)
@@ -110,6 +112,7 @@ class DecodeCompressor:
     def after(self, batch, req_to_token_pool, allocator) -> None:
         """Shrink the row of every eligible request that is still running."""
         try:
+            fault_point("decode_compression")
             for i, req in enumerate(batch.reqs):
                 row = req.kv.req_pool_idx
                 if row not in self._eligible:
@@ -148,6 +151,12 @@ class DecodeCompressor:
         mm.mrope_positions = None  # decode must derive positions from the delta
         self.counters.compressed_requests += 1
         self.counters.freed_tokens += d
+
+    def abandon(self) -> None:
+        """Compress nothing that is planned (the batch's forward or its compression
+        failed); requests already barred from the tree stay out of it."""
+        self._pending.clear()
+        self._eligible.clear()
 
     def restore(self, req) -> None:
         """Put back the request's M-RoPE state and tree flag (its row is released)."""

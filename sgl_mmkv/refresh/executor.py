@@ -39,6 +39,7 @@ from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
 from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
+from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.observer import PrefillObserver, observing
@@ -66,6 +67,7 @@ class RefreshCounters(Counters):
     refreshed_tokens: int = 0
     declined_reuses: int = 0
     stock_batches: int = 0  # batches with reuse run as stock (every row's outputs asked)
+    fallbacks: int = 0  # forwards our path failed, served again by the stock extend
     recomputed_tokens: int = 0
     executed_flops: int = 0
     full_prefill_flops: int = 0
@@ -131,10 +133,36 @@ class RefreshExecutor:
         self.filler = SegmentFiller(store, self.counters, fill_policy, compress_budget)
         self._inv_freq: torch.Tensor | None = None
         self._shape: DecoderShape | None = None
+        # What a stock fallback of the current forward can use (execute_extend).
+        self._stock_out = None
+        self._embeddings: EmbeddingPass | None = None
 
     def execute_extend(self, run_extend: Callable, model_runner, forward_batch):
-        """``run_extend(forward_batch)`` is the stock eager extend; returns its output."""
+        """``run_extend(forward_batch)`` is the stock eager extend; returns its output.
+
+        If anything in our path raises, the batch is answered as stock: by the stock
+        forward that already ran on it, else by running it again (with the image
+        embeddings a pass already built, since building them consumes the batch's
+        multimodal inputs)."""
+        self._stock_out, self._embeddings = None, None
+        try:
+            return self._execute(run_extend, model_runner, forward_batch)
+        except Exception as error:
+            self.recover(forward_batch, error)
+            if self._stock_out is not None:
+                return self._stock_out
+            embeddings = self._embeddings
+            if embeddings is None or embeddings.embeds is None:
+                return run_extend(forward_batch)
+            embeddings.index = torch.arange(embeddings.embeds.shape[0])
+            with embedding_pass(embeddings):
+                return run_extend(forward_batch)
+        finally:
+            self._stock_out, self._embeddings = None, None
+
+    def _execute(self, run_extend: Callable, model_runner, forward_batch):
         plans = plan_batch(self.store, forward_batch)
+        fault_point("plan")
         self._drop_unsupported(forward_batch, plans)
         full_flops = self._full_flops(model_runner, forward_batch)
         self.counters.full_prefill_flops += full_flops
@@ -143,8 +171,10 @@ class RefreshExecutor:
         if not any(p.spans for p in plans):
             observer = self.ranker.observer_for(plans) if self.ranker is not None else None
             out = self._run_observed(run_extend, model_runner, forward_batch, observer)
+            self._stock_out = out
             self.counters.executed_flops += full_flops
             rankings = self._rank(observer, model_runner, forward_batch, plans, None)
+            fault_point("ranking")
             self.filler.fill(
                 self._pass_runner(run_extend), model_runner, forward_batch, plans, None, rankings
             )
@@ -152,10 +182,12 @@ class RefreshExecutor:
             return out
         started = time.perf_counter()
         self._copy_segments(model_runner, forward_batch, plans)
+        fault_point("copy")
         fresh = [~p.reused_mask() for p in plans]
         embeddings = EmbeddingPass(
             full_batch=forward_batch, stock_backend=model_runner.attn_backend
         )
+        self._embeddings = embeddings
         selected = self._select(run_extend, model_runner, forward_batch, plans, fresh, embeddings)
         # The tokens a compressed segment lacks got their KV in the scoring (or
         # CacheBlend's) pass already; recomputing them again would cost more than
@@ -173,12 +205,28 @@ class RefreshExecutor:
         out = self._run_pass(
             run_extend, model_runner, forward_batch, active, embeddings, observer=observer
         )
+        fault_point("refresh")
         rankings = self._rank(observer, model_runner, forward_batch, plans, active)
+        fault_point("ranking")
         self.filler.fill(
             self._pass_runner(run_extend), model_runner, forward_batch, plans, embeddings, rankings
         )
         self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
         return out
+
+    def recover(self, forward_batch, error: BaseException) -> None:
+        """After our path failed mid-forward, before the stock extend runs the batch
+        again: no decode compression stays planned for it (the stock extend rewrites
+        every extend slot, so KV copied into request slots is overwritten, and a
+        canonical fill discards its reservations itself)."""
+        self.counters.fallbacks += 1
+        if self.decode_compressor is not None:
+            self.decode_compressor.abandon()
+        logger.warning(
+            "sgl_mmkv: refresh path failed (%r) for rids %s; the batch runs as stock",
+            error,
+            forward_batch.rids,
+        )
 
     # -- eviction ranking -----------------------------------------------------------------
 
@@ -274,6 +322,7 @@ class RefreshExecutor:
             captures = QueryCapture(rows)
             active = [scoring_rows(mask) for mask in fresh]
             self._run_pass(run_extend, model_runner, forward_batch, active, embeddings, captures)
+            fault_point("scoring")
         selected = []
         for plan in plans:
             if not plan.spans:
@@ -281,6 +330,7 @@ class RefreshExecutor:
                 continue
             inputs = self._scoring_inputs(model_runner, forward_batch, plan, captures)
             selected.append(scorer.select(inputs, self.budget).cpu())
+        fault_point("selection")
         return selected
 
     def _select_by_deviation(self, run_extend, model_runner, forward_batch, plans, embeddings):

@@ -15,6 +15,7 @@ import torch
 
 from sgl_mmkv.refresh.attention_backend import GroupLocalAttentionBackend
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
+from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.segments.key import SegmentKey
@@ -76,6 +77,7 @@ class SegmentFiller:
                 segment = self.store.peek(key)
                 if segment is not None:
                     self.store.compress(segment, self.compress_budget)
+        fault_point("fill")
 
     def _copy_fill(self, model_runner, forward_batch, plan, fill, rankings=None) -> None:
         """Store ``fill`` from the KV the request computed for it (policy ``first``)."""

@@ -1,0 +1,154 @@
+"""What sgl_mmkv's refresh path supports, checked before the server starts.
+
+The refresh executor re-positions reused KV with the model's plain RoPE, runs its
+own attention over one request row at a time, copies KV token by token, and runs
+sub-batches on one device. Everything outside that is refused here, with one line
+naming the flag or the model and what is missing, instead of crashing in the
+scheduler or answering wrongly later. The checks read SGLang's parsed
+``ServerArgs``, so ``--config`` files and abbreviated flags are seen too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sgl_mmkv.config import RADIX_CACHE_BACKEND_NAME, ConfigError, MMKVConfig
+
+SGLANG_VERSION = "0.5.23"
+# Model classes whose rotary, attention and KV pool the refresh path reproduces exactly.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
+}
+PLAIN_ROPE_TYPES = (None, "default", "mrope")
+PLAIN_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def check_sglang_version() -> None:
+    """sgl_mmkv's patches target one SGLang release."""
+    import importlib.metadata as md
+
+    found = md.version("sglang")
+    if found != SGLANG_VERSION:
+        raise ConfigError(
+            f"sgl_mmkv's patches are written against sglang {SGLANG_VERSION}, found {found}"
+        )
+
+
+def check_server_args(config: MMKVConfig, args: Any) -> None:
+    """Raise :class:`ConfigError` for the first setting ``config`` cannot run with.
+
+    Args:
+        args: SGLang's parsed ``ServerArgs``.
+    """
+    if config.uses_mmkv_cache:
+        if args.disable_radix_cache:
+            raise ConfigError(
+                f"--disable-radix-cache: --mm-reuse {config.mm_reuse} needs the radix cache"
+            )
+        if args.radix_cache_backend not in (None, RADIX_CACHE_BACKEND_NAME):
+            raise ConfigError(
+                f"--radix-cache-backend {args.radix_cache_backend}: --mm-reuse "
+                f"{config.mm_reuse} runs sgl_mmkv's radix cache"
+            )
+    if not config.uses_refresh:
+        return
+    mode = f"--mm-reuse {config.mm_reuse}"
+    refusals = [
+        (
+            args.tp_size > 1,
+            f"--tp-size {args.tp_size}: each tensor-parallel rank would score "
+            "with its own KV heads and pick other tokens (scores must be all-reduced first)",
+        ),
+        (
+            args.enable_dp_attention,
+            "--enable-dp-attention: ranks would run different numbers of passes and deadlock",
+        ),
+        (
+            args.dp_size > 1,
+            f"--dp-size {args.dp_size}: data-parallel ranks would run different numbers of passes",
+        ),
+        (
+            args.pp_size > 1,
+            f"--pp-size {args.pp_size}: refresh passes run the whole model on one rank",
+        ),
+        (
+            args.speculative_algorithm is not None,
+            f"--speculative-algorithm "
+            f"{args.speculative_algorithm}: verify and draft extends are not refresh batches",
+        ),
+        (
+            bool(args.enable_lora or args.lora_paths),
+            "--enable-lora / --lora-paths: refresh sub-batches do not re-prepare LoRA metadata",
+        ),
+        (
+            args.enable_mixed_chunk and config.compresses_at_decode,
+            "--enable-mixed-chunk with "
+            "--mm-compress-at decode: mixed batches re-derive positions a compressed row lacks",
+        ),
+        (
+            args.kv_cache_dtype not in PLAIN_KV_DTYPES,
+            f"--kv-cache-dtype {args.kv_cache_dtype}: "
+            "segment copies and refresh attention read KV without its scales",
+        ),
+        (
+            args.cuda_graph_backend_prefill not in (None, "disabled"),
+            "--cuda-graph-backend-"
+            f"prefill {args.cuda_graph_backend_prefill}: prefill CUDA graphs bypass the executor",
+        ),
+        (
+            args.page_size not in (None, 1),
+            f"--page-size {args.page_size}: image KV is copied token by token (page size 1)",
+        ),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(f"{mode} cannot run with {reason}")
+    check_model(mode, args.model_path)
+
+
+def _model_config(model_path: str) -> dict:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"cannot read {path}: refresh modes check the model's architecture and rotary "
+            "before starting (give a local model directory)"
+        )
+    return json.loads(path.read_text())
+
+
+def rope_type(config: dict) -> str | None:
+    """The rotary variant of a Hugging Face config (``rope_parameters`` in transformers
+    5, ``rope_scaling`` before), for the text model when there is one."""
+    for scope in (config.get("text_config") or {}, config):
+        for field in ("rope_parameters", "rope_scaling"):
+            params = scope.get(field)
+            if isinstance(params, dict):
+                kind = params.get("rope_type") or params.get("type")
+                if kind not in (None, "default", "mrope"):
+                    return kind
+    return None
+
+
+def check_model(mode: str, model_path: str) -> None:
+    """Refuse a model whose class, rotary or attention the refresh path does not
+    reproduce exactly."""
+    config = _model_config(model_path)
+    architectures = config.get("architectures") or ["unknown"]
+    name = architectures[0]
+    if name not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ConfigError(
+            f"{mode} does not support {name} (supported: {supported}); use --mm-reuse exact or off"
+        )
+    kind = rope_type(config)
+    if kind not in PLAIN_ROPE_TYPES:
+        raise ConfigError(
+            f"{mode} does not support {name} with {kind} rotary scaling: re-positioning "
+            "rotates reused keys by the unscaled frequencies"
+        )
+    text = config.get("text_config") or config
+    if text.get("use_sliding_window"):
+        raise ConfigError(f"{mode} does not support {name} with a sliding window")

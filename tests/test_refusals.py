@@ -1,0 +1,90 @@
+"""What the refresh path does not support is refused before the server starts: the
+launcher exits with status 2 and one line naming the flag or the model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_mmkv.testing.server import stock_cpu_env
+
+# (case, extra flags, what the one-line reason must name)
+FLAG_CASES = [
+    ("tensor parallel", ["--tp-size", "2"], "--tp-size 2"),
+    ("data parallel", ["--dp-size", "2"], "--dp-size 2"),
+    ("dp attention", ["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
+    ("pipeline parallel", ["--pp-size", "2"], "--pp-size 2"),
+    ("speculative", ["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
+    ("lora", ["--enable-lora"], "--enable-lora"),
+    ("lora paths", ["--lora-paths", "a=/nonexistent"], "--lora-paths"),
+    ("fp8 kv", ["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+    ("prefill graphs", ["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
+    (
+        "mixed chunk + decode compression",
+        ["--enable-mixed-chunk", "--mm-evict", "snapkv", "--mm-compress-at", "decode"],
+        "--enable-mixed-chunk",
+    ),
+    ("abbreviated flag", ["--disable-radix"], "--disable-radix-cache"),
+]
+
+
+def _launch(model, extra: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", str(model)]
+    return subprocess.run(
+        [*command, "--mm-reuse", "conduit", *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=stock_cpu_env(),
+    )
+
+
+@pytest.fixture(scope="module")
+def yarn_vlm(tiny_vlm, tmp_path_factory):
+    """The tiny VLM's files with YaRN rotary scaling in its config."""
+    out = tmp_path_factory.mktemp("yarn") / "tiny-qwen2-vl-yarn"
+    shutil.copytree(tiny_vlm, out)
+    config = json.loads((out / "config.json").read_text())
+    for scope in (config, config.get("text_config") or {}):
+        scope["rope_parameters"] = {**scope.get("rope_parameters", {}), "rope_type": "yarn"}
+        scope["rope_parameters"]["factor"] = 4.0
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_vlm, tiny_llm, yarn_vlm) -> dict[str, subprocess.CompletedProcess]:
+    """Every refused start-up, two at a time (each imports SGLang, then exits)."""
+    runs = {name: (tiny_vlm, extra) for name, extra, _ in FLAG_CASES}
+    runs["text-only model"] = (tiny_llm, [])
+    runs["yarn model"] = (yarn_vlm, [])
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(_launch, *run) for name, run in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _refused(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, done.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("name", "extra", "named"), FLAG_CASES, ids=[c[0] for c in FLAG_CASES])
+def test_an_unsupported_flag_is_refused_with_its_name(launches, name, extra, named):
+    line = _refused(launches[name])
+    assert named in line and "--mm-reuse conduit" in line
+
+
+def test_a_text_only_model_is_refused(launches):
+    line = _refused(launches["text-only model"])
+    assert "does not support Qwen2ForCausalLM" in line and "--mm-reuse exact or off" in line
+
+
+def test_a_scaled_rotary_is_refused(launches):
+    assert "yarn rotary scaling" in _refused(launches["yarn model"])
