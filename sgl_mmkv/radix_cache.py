@@ -77,11 +77,14 @@ class MMKVRadixCache(UnifiedRadixCache):
         items are classed (``SegmentIndex``); the match itself is returned unchanged."""
         result = super().match_prefix(params)
         if params.req is not None:
-            tag_namespace(params.req)
-            counts = self.segment_index.observe(params.req, result.device_prefix_len)
-            if counts is not None:
-                logger.debug("sgl_mmkv: rid=%s image segments %s", params.req.rid, counts)
-            self.publish_metrics()
+            try:
+                tag_namespace(params.req)
+                counts = self.segment_index.observe(params.req, result.device_prefix_len)
+                if counts is not None:
+                    logger.debug("sgl_mmkv: rid=%s image segments %s", params.req.rid, counts)
+                self.publish_metrics()
+            except Exception as error:  # an untagged request reuses nothing: stock
+                logger.warning("sgl_mmkv: match bookkeeping failed (%r)", error)
         return result
 
     def _start_refresh(self, config: MMKVConfig) -> None:
@@ -161,7 +164,10 @@ class MMKVRadixCache(UnifiedRadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         if self.decode_compressor is not None:
-            self.decode_compressor.restore(req)
+            try:
+                self.decode_compressor.restore(req)
+            except Exception as error:
+                logger.warning("sgl_mmkv: restoring rid=%s failed (%r)", req.rid, error)
 
     def reset(self) -> None:
         if self.segment_store is not None:

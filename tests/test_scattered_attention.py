@@ -120,3 +120,21 @@ def test_query_outside_the_row_is_rejected():
     q, k, v, slots, _ = _case(2, 2, 2, 8, 4, torch.float32)
     with pytest.raises(ValueError, match="outside the row"):
         scattered_attention(q, k, v, slots, torch.tensor([0, 4], device=DEVICE))
+
+
+def test_a_suffix_of_queries_costs_its_own_rows_not_the_whole_row(monkeypatch):
+    """A request without reuse after a cached prefix: ``e x n`` attention, as stock's
+    GPU backends, never the ``n x n`` of queries placed in a full-length block."""
+    q, k, v, slots, _ = _case(16, 4, 2, 16, 512, torch.float32, seed=9)
+    pos = torch.arange(512 - 16, 512)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, *args, **kwargs):
+        seen.append(tuple(query.shape))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    got = scattered_attention_sdpa(q, k, v, slots, pos)
+    assert seen == [(1, 4, 16, 16)]  # (batch, heads, 16 queries, d)
+    torch.testing.assert_close(got, scattered_attention_reference(q, k, v, slots, pos))
