@@ -1,0 +1,39 @@
+"""The short version of ``benchmarks/soak.py``: every request shape at once, under
+memory pressure, against one server; the long one (1,000 requests) is in the docs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOAK = ROOT / "benchmarks" / "soak.py"
+
+
+def _kinds() -> dict:
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.KINDS
+
+
+def test_a_short_soak_passes(tiny_vlm, tmp_path):
+    command = [
+        sys.executable,
+        str(SOAK),
+        *("--requests", "120", "--concurrency", "8", "--seed", "1", "--probes", "8"),
+        *("--model-path", str(tiny_vlm), "--out-dir", str(tmp_path)),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "soak.json").read_text())
+    assert record["failures"] == [] and record["alive"]
+    assert set(record["outcomes"]) == set(_kinds())  # every shape was sent
+    assert sum(sum(c.values()) for c in record["outcomes"].values()) == 120
+    assert record["refresh"]["reused_tokens"] > 0  # reuse happened under the traffic
+    pool = record["pool_after_flush"]
+    assert pool["available"] == pool["size"] and pool["free_unique"]
+    assert record["probes_compared"] == 8 and record["probes_differing"] == []
