@@ -13,17 +13,18 @@ pip_install() { "$PYTHON" -m pip install --disable-pip-version-check -q "$@"; }
 start=$(date +%s)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[install] GPU found: sglang with its full dependency list"
-    pip_install -e ".[gpu,test]"
+    pip_install -e ".[gpu,test,bench]"
 else
     echo "[install] no GPU: sglang without its CUDA-only dependencies"
     pip_install -r requirements-cpu.txt
     pip_install --no-deps "sglang==0.5.23"
-    pip_install -r requirements-test.txt
+    pip_install -r requirements-test.txt -r requirements-bench.txt
     pip_install --no-deps -e .
 fi
 "$PYTHON" - <<'PY'
 import importlib.metadata as md
 import sglang, sgl_mmkv  # noqa: F401
+import datasets  # noqa: F401  (python -m sglang.benchmark.serving)
 assert md.version("sglang") == "0.5.23", md.version("sglang")
 eps = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "sgl_mmkv"]
 assert eps, "sgl_mmkv's sglang.srt.plugins entry point is not installed"
