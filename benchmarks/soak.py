@@ -35,7 +35,13 @@ import requests
 
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.images import data_url, make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    REPORT_REUSE,
+    ServerProcess,
+    flush_cache,
+    mmkv_stats,
+)
 
 # kind -> (weight, what a correct answer is: "ok" = 200, "4xx", "ok|4xx")
 KINDS: dict[str, tuple[int, str]] = {
@@ -193,14 +199,6 @@ def _png(size: int) -> bytes:
     return out.getvalue()
 
 
-def _flush_until_idle(url: str) -> None:
-    for _ in range(120):
-        if requests.post(url + "/flush_cache", timeout=60).status_code == 200:
-            return
-        time.sleep(0.5)
-    raise RuntimeError("the server never became idle for a flush")
-
-
 def probes(count: int) -> list[list[dict]]:
     """The deterministic subset: text chats and chats about images no soak request
     used, sent one at a time after the soak (nothing to reuse: stock's own path)."""
@@ -274,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         alive = requests.get(server.base_url + "/health", timeout=60).status_code == 200
         subset = probes(args.probes)
         ours = greedy_replies(server.base_url, subset) if alive else []
-        _flush_until_idle(server.base_url)
+        flush_cache(server.base_url)
         stats = mmkv_stats(server.base_url)
     pool = stats["pool"]
     ledger_ok = pool["available"] == pool["size"] and pool["free_unique"] and pool["in_use"] == 0

@@ -2,14 +2,17 @@
 
     python benchmarks/throughput.py --modes conduit --out-dir benchmarks/results/throughput
 
-Starts ``python -m sglang.launch_server`` and ``python -m sgl_mmkv.launch_server
---mm-reuse MODE`` for each mode with identical settings (verified from each
-server's ``/get_server_info``), sends every side the same seeded requests through
-the OpenAI-compatible API (streaming) at each concurrency, alternating the order
-of the sides from cell to cell, and writes ``throughput.json``, ``throughput.md``
-and ``throughput.png`` (TTFT against images per request; throughput against
-concurrency). Exits 1 if any request fails or the no-reuse control's TTFT
-overhead exceeds ``--max-control-overhead``.
+Starts ``python -m sglang.launch_server`` at its defaults and ``python -m
+sgl_mmkv.launch_server --mm-reuse MODE`` for each mode, sharing only hardware and
+memory flags (the settings that decide speed are verified from each server's
+``/get_server_info``; the refresh modes turn the overlap scheduler off, stock
+keeps it). One server is up at a time; over ``--rounds`` rounds, with the order of
+the sides alternating, each start reads the page pool once and then gets every
+cell's new seeded requests through the OpenAI-compatible API (streaming). The
+report gives the ratio of the mean TTFTs and its range over the rounds, and writes
+``throughput.json``, ``throughput.md`` and ``throughput.png`` (TTFT against images
+per request; throughput against concurrency). Exits 1 if any request fails or the
+no-reuse control's TTFT overhead exceeds ``--max-control-overhead``.
 
 Without ``--model-path`` it builds (once) a random-weight Qwen2-VL large enough
 that prefill compute dominates on a CPU: 8 layers, hidden 1024, 256 tokens per
@@ -45,15 +48,13 @@ from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
 
 DEFAULT_BENCH_MODEL = Path("/tmp/sgl_mmkv-bench-qwen2-vl")
+# Hardware and memory only: stock runs at its defaults (overlap scheduler on, its
+# own page size, chunking and schedule policy); sgl_mmkv adds what it needs itself.
 CPU_SHARED_ARGS = (
-    "--device cpu --attention-backend torch_native --page-size 1 --chunked-prefill-size 8192 "
-    "--max-total-tokens 32768 --mem-fraction-static 0.3 --random-seed 0 --enable-cache-report "
-    "--disable-overlap-schedule --sleep-on-idle"
+    "--device cpu --attention-backend torch_native --max-total-tokens 32768 "
+    "--mem-fraction-static 0.3 --random-seed 0 --enable-cache-report"
 )
-GPU_SHARED_ARGS = (
-    "--page-size 1 --chunked-prefill-size 8192 --mem-fraction-static 0.8 --random-seed 0 "
-    "--enable-cache-report --disable-overlap-schedule --sleep-on-idle"
-)
+GPU_SHARED_ARGS = "--mem-fraction-static 0.8 --random-seed 0 --enable-cache-report"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds, one server up at a time, sides alternating"
+    )
+    parser.add_argument(
         "--server-args",
         default=None,
         help="arguments given to every server (default: the CPU or GPU set in this file)",
@@ -103,6 +107,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     args.modes = modes
     return args
+
+
+def command_lines(model: Path, modes: list[str], shared: list[str], args) -> dict[str, str]:
+    """The command line of each side (the port added at start aside)."""
+    from sgl_mmkv.benchmarking.servers import mode_flags
+
+    base = f"--model-path {model} " + shlex.join(shared)
+    lines = {"stock": f"python -m sglang.launch_server {base}"}
+    for mode in modes:
+        flags = shlex.join(mode_flags(mode, args.mm_refresh_budget, args.mm_kv_budget))
+        lines[mode] = f"python -m sgl_mmkv.launch_server {base} {flags}"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         turns=args.turns,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        rounds=args.rounds,
     )
     run = run_benchmark(
         model,
@@ -145,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(sys.argv[1:] if argv is None else argv),
         "model_path": str(model),
         "shared_server_args": shared,
+        "command_lines": command_lines(model, args.modes, shared, args),
         "refresh_budget": args.mm_refresh_budget,
         "config": {k: getattr(config, k) for k in config.__slots__},
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
@@ -152,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_outputs(run, rows, meta, args.out_dir)
     print(format_table(rows))
+    for name, command in command_lines(model, args.modes, shared, args).items():
+        print(f"{name}: {command}")
+    overlap = run.settings_differences.get("disable_overlap_schedule", {})
+    print(f"verified from /get_server_info: disable_overlap_schedule {overlap or 'equal'}")
     for side in run.sides:
         print(format_serving_block(rows, side))
     bound = args.max_control_overhead

@@ -18,6 +18,7 @@ from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
     REPORT_REUSE,
     ServerProcess,
+    flush_cache,
     mmkv_stats,
     stock_cpu_env,
 )
@@ -46,7 +47,7 @@ def server(tiny_vlm, tmp_path_factory, fault_file):
 
 
 def _flush(server) -> None:
-    requests.post(server.base_url + "/flush_cache", timeout=60).raise_for_status()
+    flush_cache(server.base_url)
 
 
 def _chat(server, system: str, images) -> str:

@@ -17,7 +17,13 @@ import requests
 from transformers import AutoProcessor
 
 from sgl_mmkv.testing.images import data_url, make_image
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    REPORT_REUSE,
+    ServerProcess,
+    flush_cache,
+    mmkv_stats,
+)
 
 TOL = 1e-3
 QUESTION = "What colour is the dotted shape? " * 8
@@ -64,7 +70,7 @@ def _post(server, body: dict) -> list[dict] | dict:
 
 def _solo(server, other: dict) -> dict:
     """``other`` served alone on a flushed server: a cold prefill, no reuse."""
-    requests.post(server.base_url + "/flush_cache", timeout=60).raise_for_status()
+    flush_cache(server.base_url)
     return _post(server, {**other, "sampling_params": _greedy()})
 
 
@@ -76,7 +82,7 @@ def _reuse_batch(server, prompt, seed: int, other: dict) -> tuple[dict, dict]:
     """Store image ``seed`` under one prefix, then send one batch: the image under a
     new prefix (a reuse) and ``other`` (a text request with its own return fields)."""
     image = data_url(make_image(seed))
-    requests.post(server.base_url + "/flush_cache", timeout=60).raise_for_status()
+    flush_cache(server.base_url)
     _post(server, {"text": prompt("First."), "image_data": [image], "sampling_params": _greedy()})
     fields = sorted(set(other) - {"text"})
     body = {
@@ -175,7 +181,7 @@ def test_openai_echo_logprobs_next_to_reuses(server, prompt):
     body = {"model": "default", "prompt": TEXT, "max_tokens": 2, "temperature": 0}
     body |= {"echo": True, "logprobs": 3}
     url = server.base_url + "/v1/completions"
-    requests.post(server.base_url + "/flush_cache", timeout=60).raise_for_status()
+    flush_cache(server.base_url)
     solo = requests.post(url, json=body, timeout=300).json()["choices"][0]["logprobs"]
     image = data_url(make_image(954))
     _post(server, {"text": prompt("First."), "image_data": [image], "sampling_params": _greedy()})

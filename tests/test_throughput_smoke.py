@@ -30,6 +30,7 @@ def bench(tiny_vlm, tmp_path_factory) -> dict:
         "--image-size", "112",
         "--turns", "2",
         "--max-tokens", "4",
+        "--rounds", "2",
         "--max-control-overhead", "100",  # tiny-model timings are noise; bound checked in units
         "--out-dir", str(out),
     ]  # fmt: skip
@@ -49,13 +50,18 @@ def _row(report: dict, cell: str, side: str) -> dict:
 
 def test_every_cell_ran_on_both_sides_without_failures(bench):
     assert bench["sides"] == ["stock", "conduit"]
+    # stock at its defaults: the overlap scheduler on; the refresh mode turns it off
+    overlap = bench["settings_differences"]["disable_overlap_schedule"]
+    assert overlap == {"stock": False, "conduit": True}
+    assert "--disable-overlap-schedule" not in bench["meta"]["command_lines"]["stock"]
     cells = {r["cell"] for r in bench["cells"]}
     assert len(cells) == 4 * 2  # 4 workloads x 2 concurrencies
     for cell in cells:
         for side in bench["sides"]:
             row = _row(bench, cell, side)
             requests = bench["requests"][f"{side}/{cell}"]
-            assert row["failed"] == 0 and row["completed"] == len(requests) >= 2
+            assert row["failed"] == 0 and row["completed"] == len(requests) >= 4
+            assert {r["round"] for r in requests} == {0, 1}
             assert all(r["completion_tokens"] == 4 for r in requests)
 
 

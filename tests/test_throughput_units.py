@@ -18,7 +18,7 @@ from sgl_mmkv.benchmarking.report import (
     summarise,
 )
 from sgl_mmkv.benchmarking.runner import BenchConfig, BenchRun, CellRun, CellSpec, plan_cells
-from sgl_mmkv.benchmarking.servers import Side, verify_identical
+from sgl_mmkv.benchmarking.servers import compare_settings
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.testing.make_tiny_model import TinyModelSpec, build_untrained
 from sgl_mmkv.testing.server import free_port
@@ -106,23 +106,30 @@ def test_scattered_pass_flops_count_keys_by_position():
     assert shape.pass_flops([]) == 0
 
 
-class _FakeSide(Side):
-    def __init__(self, name: str, info: dict) -> None:
-        super().__init__(name, process=None)
-        self._info = info
-
-    def server_info(self) -> dict:
-        return self._info
-
-
-def test_verify_identical_rejects_a_differing_setting_and_reports_the_rest():
+def test_compare_settings_rejects_a_differing_setting_and_reports_the_rest():
     base = {"page_size": 1, "attention_backend": "torch_native", "radix_cache_backend": "radix"}
     same = dict(base, radix_cache_backend="sgl_mmkv", log_level="debug")
-    differences = verify_identical([_FakeSide("stock", base), _FakeSide("conduit", same)])
+    differences = compare_settings({"stock": base, "conduit": same})
     assert differences == {"log_level": {"stock": None, "conduit": "debug"}}
-    other = dict(base, page_size=16)
-    with pytest.raises(RuntimeError, match="page_size"):
-        verify_identical([_FakeSide("stock", base), _FakeSide("conduit", other)])
+    other = dict(base, attention_backend="flashinfer")
+    with pytest.raises(RuntimeError, match="attention_backend"):
+        compare_settings({"stock": base, "conduit": other})
+
+
+def test_the_overlap_scheduler_is_an_intended_difference():
+    # stock runs at its defaults (overlap on); the refresh modes turn it off themselves
+    base = {"disable_overlap_schedule": False, "attention_backend": "torch_native"}
+    ours = dict(base, disable_overlap_schedule=True)
+    differences = compare_settings({"stock": base, "conduit": ours})
+    assert differences == {"disable_overlap_schedule": {"stock": False, "conduit": True}}
+
+
+def test_each_round_sends_new_requests():
+    config = BenchConfig(workloads=("doc_qa",), images=(2,), concurrency=(1,), pool_size=6)
+    first, second = plan_cells(config, 0), plan_cells(config, 1)
+    assert [c.key for c in first] == [c.key for c in second]
+    assert first[0].requests[0].messages != second[0].requests[0].messages
+    assert plan_cells(config, 0)[0].requests[0].messages == first[0].requests[0].messages
 
 
 def _cell_run(side: str, workload: str, ttfts: list[float], failed: int = 0) -> CellRun:

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import openai
-import requests
 
 from sgl_mmkv.benchmarking.fidelity_task import (
     Example,
@@ -35,7 +34,7 @@ from sgl_mmkv.benchmarking.fidelity_task import (
     score,
 )
 from sgl_mmkv.testing.images import image_part
-from sgl_mmkv.testing.server import mmkv_stats
+from sgl_mmkv.testing.server import flush_cache, mmkv_stats
 
 SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn")
 COLD = "cold"
@@ -129,16 +128,8 @@ class FidelityClient:
         self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Empty the server's caches. SGLang refuses (400) while a request is still
-        being retired after its response was sent, so retry for a while."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            response = requests.post(self.base_url + "/flush_cache", timeout=60)
-            if response.status_code == 200:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
-            time.sleep(0.2)
+        """Empty the server's caches (retried while a request is being retired)."""
+        flush_cache(self.base_url, timeout_s)
 
     def refresh_counters(self) -> dict[str, int]:
         """sgl_mmkv's server-wide refresh counters (zeros on a stock server)."""

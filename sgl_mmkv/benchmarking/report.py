@@ -64,6 +64,8 @@ class CellSummary:
     peak_token_usage: float
     flops_fraction: float = math.nan
     ttft_speedup: float = math.nan
+    round_ttft_ms: tuple[float, ...] = ()  # mean TTFT of each round
+    ttft_speedup_range: str = ""  # lowest-highest ratio of round means vs stock
     errors: tuple[str, ...] = ()
 
 
@@ -108,9 +110,43 @@ def summarise_cell(run: CellRun, shape: DecoderShape) -> CellSummary:
     )
 
 
+def merge_rounds(runs: list[CellRun]) -> CellRun:
+    """One side's runs of one cell over every round, as one run."""
+    total: dict[str, dict[str, float]] = {"refresh": {}, "store": {}}
+    for run in runs:
+        for name, delta in (("refresh", run.refresh_delta), ("store", run.store_delta)):
+            for key, value in delta.items():
+                total[name][key] = total[name].get(key, 0) + value
+    return CellRun(
+        side=runs[0].side,
+        cell=runs[0].cell,
+        results=[r for run in runs for r in run.results],
+        wall_s=sum(run.wall_s for run in runs),
+        peak_token_usage=max(run.peak_token_usage for run in runs),
+        refresh_delta=total["refresh"],
+        store_delta=total["store"],
+    )
+
+
+def _round_means(runs: list[CellRun]) -> tuple[float, ...]:
+    means = []
+    for run in sorted(runs, key=lambda r: r.round):
+        ttft = [r.ttft_s * 1000 for r in run.results if r.ok]
+        means.append(statistics.fmean(ttft) if ttft else math.nan)
+    return tuple(means)
+
+
 def summarise(run: BenchRun, shape: DecoderShape) -> list[CellSummary]:
-    """Every cell of every side, with FLOPs and TTFT relative to stock's same cell."""
-    rows = [summarise_cell(cell_run, shape) for cell_run in run.cells]
+    """Every cell of every side over all rounds, with FLOPs and TTFT relative to stock's
+    same cell: the ratio of the mean TTFTs, and its range over the rounds."""
+    groups: dict[tuple[str, str], list[CellRun]] = {}
+    for cell_run in run.cells:
+        groups.setdefault((cell_run.cell.key, cell_run.side), []).append(cell_run)
+    rows = []
+    for runs in groups.values():
+        row = summarise_cell(merge_rounds(runs), shape)
+        row.round_ttft_ms = _round_means(runs)
+        rows.append(row)
     stock = {row.cell: row for row in rows if row.side == STOCK}
     for row in rows:
         base = stock.get(row.cell)
@@ -118,6 +154,11 @@ def summarise(run: BenchRun, shape: DecoderShape) -> list[CellSummary]:
             row.flops_fraction = row.prefill_tflops / base.prefill_tflops
         if base is not None and row.ttft_mean_ms > 0:
             row.ttft_speedup = base.ttft_mean_ms / row.ttft_mean_ms
+            ratios = [
+                b / m for b, m in zip(base.round_ttft_ms, row.round_ttft_ms, strict=False) if m > 0
+            ]
+            if ratios:
+                row.ttft_speedup_range = f"{min(ratios):.2f}-{max(ratios):.2f}"
     return rows
 
 
@@ -168,6 +209,7 @@ _COLUMNS = (
     ("FLOPs", "flops_fraction", "{:.3f}"),
     ("peak KV", "peak_token_usage", "{:.2f}"),
     ("TTFT x", "ttft_speedup", "{:.2f}"),
+    ("rounds", "ttft_speedup_range", "{}"),
 )
 
 
@@ -220,6 +262,16 @@ def format_serving_block(rows: list[CellSummary], side: str) -> str:
     return "\n".join(lines)
 
 
+def _requests_by_cell(run: BenchRun) -> dict[str, list[dict]]:
+    """``side/cell`` -> every request of every round, in round order, each with its round."""
+    out: dict[str, list[dict]] = {}
+    for c in sorted(run.cells, key=lambda c: c.round):
+        out.setdefault(f"{c.side}/{c.cell.key}", []).extend(
+            {**asdict(r), "round": c.round} for r in c.results
+        )
+    return out
+
+
 def to_json(run: BenchRun, rows: list[CellSummary], meta: dict) -> dict:
     return {
         "meta": meta,
@@ -229,7 +281,7 @@ def to_json(run: BenchRun, rows: list[CellSummary], meta: dict) -> dict:
         "aborted": run.aborted,
         "control_overhead": control_overhead(rows),
         "cells": [asdict(row) for row in rows],
-        "requests": {f"{c.side}/{c.cell.key}": [asdict(r) for r in c.results] for c in run.cells},
+        "requests": _requests_by_cell(run),
         "warmup_failures": {
             side: [r.error for r in results if not r.ok] for side, results in run.warmup.items()
         },

@@ -9,16 +9,17 @@ the same whatever the timing; the order of the sides alternates from cell to cel
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import requests
+
 from sgl_mmkv.benchmarking import workloads as wl
 from sgl_mmkv.benchmarking.client import RequestResult, run_requests
-from sgl_mmkv.benchmarking.servers import STOCK, Side, build_side, verify_identical
+from sgl_mmkv.benchmarking.servers import STOCK, Side, build_side, compare_settings
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
 
 
@@ -47,6 +48,7 @@ class CellRun:
     peak_token_usage: float
     refresh_delta: dict[str, float]
     store_delta: dict[str, float] = field(default_factory=dict)
+    round: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +64,12 @@ class BenchConfig:
     turns: int = 4
     max_tokens: int = 8
     seed: int = 0
+    rounds: int = 3
 
 
-def plan_cells(config: BenchConfig) -> list[CellSpec]:
-    """Every cell of the run, each with its own seeded requests."""
+def plan_cells(config: BenchConfig, round_index: int = 0) -> list[CellSpec]:
+    """Every cell of one round, each with its own seeded requests (new ones each round:
+    new system prompts and page orders over the same page pool)."""
     cells = []
     for workload in config.workloads:
         if workload not in wl.WORKLOADS:
@@ -74,7 +78,7 @@ def plan_cells(config: BenchConfig) -> list[CellSpec]:
             )
         for concurrency in config.concurrency:
             n = max(config.requests_per_cell, concurrency)
-            seed = config.seed * 1000 + concurrency
+            seed = config.seed * 1000 + concurrency + 100_000 * round_index
             if workload == "multi_turn":
                 sessions = max(1, n // config.turns) if concurrency == 1 else concurrency
                 reqs = wl.multi_turn(sessions, config.turns, config.image_size, seed)
@@ -99,7 +103,7 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
     }
 
 
-def run_cell(side: Side, cell: CellSpec, max_tokens: int) -> CellRun:
+def run_cell(side: Side, cell: CellSpec, max_tokens: int, round_index: int = 0) -> CellRun:
     before = side.mmkv_stats()
     started_at = datetime.now()
     started = time.perf_counter()
@@ -114,6 +118,7 @@ def run_cell(side: Side, cell: CellSpec, max_tokens: int) -> CellRun:
         peak_token_usage=side.peak_token_usage(started_at, datetime.now()),
         refresh_delta=_delta(after.get("refresh", {}), before.get("refresh", {})),
         store_delta=_delta(after.get("store", {}), before.get("store", {})),
+        round=round_index,
     )
 
 
@@ -139,42 +144,49 @@ def run_benchmark(
     log=print,
     kv_budget: float = DEFAULT_KV_BUDGET,
 ) -> BenchRun:
-    """Start stock plus each mode, verify settings, warm up, run every cell on every side."""
+    """Stock plus each mode, one server up at a time, in ``config.rounds`` rounds with
+    the order of the sides alternating; each start reads the page pool once, then
+    runs every cell of the round. Settings are verified against stock's first start."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [STOCK, *[m for m in modes if m != STOCK]]
-    cells = plan_cells(config)
     started = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        sides = []
-        for name in names:
-            side = build_side(name, model_path, shared_args, out_dir, refresh_budget, kv_budget)
-            stack.enter_context(side.process)
-            log(f"started {name} at {side.base_url} (log {side.process.log_path})")
-            sides.append(side)
-        differences = verify_identical(sides)
-        log(f"settings verified identical on {', '.join(names)}")
-        warmup = {}
-        if {"doc_qa", "same_prefix"} & set(config.workloads):
-            requests = wl.pool_warmup(config.pool_size, config.image_size)
-            for side in sides:
-                warmup[side.name] = run_requests(side.base_url, requests, 1, config.max_tokens)
-        runs = []
-        aborted = ""
-        for i, cell in enumerate(cells):
+    infos: dict[str, dict] = {}
+    warmup: dict[str, list[RequestResult]] = {}
+    runs: list[CellRun] = []
+    aborted = ""
+    for r in range(config.rounds):
+        cells = plan_cells(config, r)
+        for name in names if r % 2 == 0 else names[::-1]:
             if aborted:
                 break
-            order = sides if i % 2 == 0 else sides[::-1]
-            for side in order:
-                try:
-                    run = run_cell(side, cell, config.max_tokens)
-                except requests.RequestException as exc:
-                    alive = side.process.process is not None and side.process.process.poll() is None
-                    aborted = (
-                        f"{side.name} {'unreachable' if alive else 'exited'} in {cell.key}: {exc}"
-                    )
-                    log(f"stopping: {aborted}")
-                    break
-                ok = f"{sum(r.ok for r in run.results)}/{len(run.results)}"
-                log(f"{cell.key:<24} {side.name:<10} {ok} ok in {run.wall_s:.1f} s")
-                runs.append(run)
+            side = build_side(
+                name, model_path, shared_args, out_dir, refresh_budget, kv_budget, f"-r{r}"
+            )
+            with side.process:
+                side.info = side.server_info()
+                infos.setdefault(name, side.info)
+                log(f"round {r}: started {name} at {side.base_url} (log {side.process.log_path})")
+                if {"doc_qa", "same_prefix"} & set(config.workloads):
+                    pool = wl.pool_warmup(config.pool_size, config.image_size)
+                    warmup.setdefault(name, [])
+                    warmup[name] += run_requests(side.base_url, pool, 1, config.max_tokens)
+                aborted = _run_cells(side, cells, config, r, runs, log)
+    differences = compare_settings(infos)
+    log(f"settings verified on {', '.join(names)}")
     return BenchRun(names, differences, warmup, runs, time.perf_counter() - started, aborted)
+
+
+def _run_cells(side: Side, cells, config: BenchConfig, r: int, runs: list, log) -> str:
+    """Run every cell on ``side``; returns why the run must stop, or empty."""
+    for cell in cells:
+        try:
+            run = run_cell(side, cell, config.max_tokens, r)
+        except requests.RequestException as exc:
+            alive = side.process.process is not None and side.process.process.poll() is None
+            reason = f"{side.name} {'unreachable' if alive else 'exited'} in {cell.key}: {exc}"
+            log(f"stopping: {reason}")
+            return reason
+        ok = f"{sum(x.ok for x in run.results)}/{len(run.results)}"
+        log(f"round {r} {cell.key:<24} {side.name:<10} {ok} ok in {run.wall_s:.1f} s")
+        runs.append(run)
+    return ""

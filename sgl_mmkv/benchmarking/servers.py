@@ -1,8 +1,10 @@
 """The servers of a comparison: stock SGLang and sgl_mmkv modes, identical settings.
 
-Each side is started with the same shared arguments; :func:`verify_identical`
-then reads every server's ``/get_server_info`` and fails unless the settings that
-decide speed are equal (the radix-cache backend is the one intended difference).
+Each side is started with the same shared arguments (hardware and memory only:
+stock runs at its defaults); :func:`compare_settings` then checks every server's
+``/get_server_info`` and fails unless the settings that decide speed are equal. The
+intended differences: the radix-cache backend, and the overlap scheduler, which
+the refresh modes turn off (reported).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ COMPARED_SETTINGS = (
     "random_seed",
     "context_length",
     "disable_radix_cache",
-    "disable_overlap_schedule",
     "sleep_on_idle",
     "disable_cuda_graph",
     "cuda_graph_max_bs",
@@ -52,6 +53,8 @@ COMPARED_SETTINGS = (
     "dp_size",
 )
 # Differences that are the point of the comparison, or plain addresses.
+# (The overlap scheduler is not compared: the refresh modes turn it off; the report
+# shows it among the differences.)
 EXPECTED_DIFFERENCES = frozenset({"radix_cache_backend", "port", "host", "log_requests"})
 
 _LOG_USAGE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\].*token usage: ([0-9.]+)")
@@ -108,9 +111,10 @@ def build_side(
     log_dir: Path,
     refresh_budget: float,
     kv_budget: float = DEFAULT_KV_BUDGET,
+    log_suffix: str = "",
 ) -> Side:
     """A not yet started server for ``name`` (``stock``, or a mode as :func:`mode_flags`)."""
-    log = log_dir / f"server-{name}.log"
+    log = log_dir / f"server-{name}{log_suffix}.log"
     if name == STOCK:
         process = ServerProcess("sglang.launch_server", model_path, shared_args, log_path=log)
     else:
@@ -119,27 +123,27 @@ def build_side(
     return Side(name, process)
 
 
-def verify_identical(sides: Sequence[Side]) -> dict[str, dict[str, object]]:
-    """Fetch every side's settings; raise if a compared setting differs.
+def compare_settings(infos: dict[str, dict]) -> dict[str, dict[str, object]]:
+    """Raise if a setting that decides speed differs from the first side's (stock).
 
-    Returns the settings that differ anywhere (compared or not) by side, for the report.
+    ``infos``: each side's ``/get_server_info``. Returns the settings that differ
+    anywhere (compared or not) by side, for the report.
     """
-    for side in sides:
-        side.info = side.server_info()
-    reference = sides[0].info
+    names = list(infos)
+    reference = infos[names[0]]
     mismatched = [
         key
         for key in COMPARED_SETTINGS
-        if any(side.info.get(key) != reference.get(key) for side in sides[1:])
+        if any(infos[n].get(key) != reference.get(key) for n in names[1:])
     ]
     if mismatched:
-        detail = {key: {s.name: s.info.get(key) for s in sides} for key in mismatched}
+        detail = {key: {n: infos[n].get(key) for n in names} for key in mismatched}
         raise RuntimeError(f"servers differ in settings that decide speed: {detail}")
-    keys = sorted(set().union(*(s.info for s in sides)) - {"internal_states"})
+    keys = sorted(set().union(*infos.values()) - {"internal_states"})
     return {
-        key: {s.name: s.info.get(key) for s in sides}
+        key: {n: infos[n].get(key) for n in names}
         for key in keys
         if not isinstance(reference.get(key), dict)
-        and any(repr(s.info.get(key)) != repr(reference.get(key)) for s in sides[1:])
+        and any(repr(infos[n].get(key)) != repr(reference.get(key)) for n in names[1:])
         and key not in EXPECTED_DIFFERENCES
     }

@@ -43,6 +43,19 @@ def mmkv_stats(base_url: str, timeout_s: float = 60.0) -> dict:
     return (states[0] or {}).get("sgl_mmkv") or {}
 
 
+def flush_cache(base_url: str, timeout_s: float = 60.0) -> None:
+    """Empty the server's caches. SGLang refuses (400) while a request is still being
+    retired after its response was sent, so retry until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = requests.post(base_url + "/flush_cache", timeout=60)
+        if response.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"/flush_cache failed: {response.status_code} {response.text}")
+        time.sleep(0.2)
+
+
 # Tests and benchmarks read per-request reuse facts and sgl_mmkv's counters, which a
 # server reports only to an operator who asks (off by default: they reveal other
 # clients' images).
