@@ -110,13 +110,20 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
 
 
 def _model_config(model_path: str) -> dict:
+    """The model's Hugging Face config: ``config.json`` of a local directory, else what
+    transformers resolves for ``model_path`` (a hub id in the local cache)."""
     path = Path(model_path) / "config.json"
-    if not path.is_file():
+    if path.is_file():
+        return json.loads(path.read_text())
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path).to_dict()
+    except Exception as exc:
         raise ConfigError(
-            f"cannot read {path}: refresh modes check the model's architecture and rotary "
-            "before starting (give a local model directory)"
-        )
-    return json.loads(path.read_text())
+            f"cannot read the config of {model_path} ({exc.__class__.__name__}): refresh "
+            "modes check the model's architecture and rotary before starting"
+        ) from exc
 
 
 def rope_type(config: dict) -> str | None:
