@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import torch
@@ -19,6 +20,7 @@ from sgl_mmkv.segments.key import (
 )
 
 IMAGE = SimpleNamespace(name="IMAGE")
+_RIDS = itertools.count()  # id() of a freed list is reused, so rids come from a counter
 
 
 def _req(extra_key=None, cache_salt=None, lora_id=None, items=()):
@@ -27,7 +29,7 @@ def _req(extra_key=None, cache_salt=None, lora_id=None, items=()):
         extra_key = (extra_key or "") + lora_id
     mm = SimpleNamespace(mm_items=list(items)) if items else None
     return SimpleNamespace(
-        rid=f"r{id(items)}-{extra_key}-{cache_salt}-{lora_id}",
+        rid=f"r{next(_RIDS)}",
         extra_key=extra_key,
         cache_salt=cache_salt,
         lora_id=lora_id,
