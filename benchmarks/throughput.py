@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -41,20 +40,11 @@ from sgl_mmkv.benchmarking.report import (
     write_outputs,
 )
 from sgl_mmkv.benchmarking.runner import BenchConfig, run_benchmark
+from sgl_mmkv.benchmarking.servers import bench_model, command_lines, shared_server_args
 from sgl_mmkv.benchmarking.workloads import WORKLOADS
 from sgl_mmkv.config import DEFAULT_KV_BUDGET, EVICTION_POLICIES, REUSE_MODES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.refresh.flops import DecoderShape
-from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
-
-DEFAULT_BENCH_MODEL = Path("/tmp/sgl_mmkv-bench-qwen2-vl")
-# Hardware and memory only: stock runs at its defaults (overlap scheduler on, its
-# own page size, chunking and schedule policy); sgl_mmkv adds what it needs itself.
-CPU_SHARED_ARGS = (
-    "--device cpu --attention-backend torch_native --max-total-tokens 32768 "
-    "--mem-fraction-static 0.3 --random-seed 0 --enable-cache-report"
-)
-GPU_SHARED_ARGS = "--mem-fraction-static 0.8 --random-seed 0 --enable-cache-report"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -109,18 +99,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def command_lines(model: Path, modes: list[str], shared: list[str], args) -> dict[str, str]:
-    """The command line of each side (the port added at start aside)."""
-    from sgl_mmkv.benchmarking.servers import mode_flags
-
-    base = f"--model-path {model} " + shlex.join(shared)
-    lines = {"stock": f"python -m sglang.launch_server {base}"}
-    for mode in modes:
-        flags = shlex.join(mode_flags(mode, args.mm_refresh_budget, args.mm_kv_budget))
-        lines[mode] = f"python -m sgl_mmkv.launch_server {base} {flags}"
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every server this run started is stopped.
@@ -128,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if not cuda:
         prepare_cpu_process()
-    model = args.model_path
-    if model is None:
-        model = DEFAULT_BENCH_MODEL
-        if not (model / "config.json").exists():
-            make_tiny_model("qwen2_vl", model, seed=0, spec=BENCH_SPEC)
-    shared = shlex.split(args.server_args or (GPU_SHARED_ARGS if cuda else CPU_SHARED_ARGS))
+    model = args.model_path or bench_model()
+    shared = shared_server_args(args.server_args, cuda)
+    commands = command_lines(model, args.modes, shared, args.mm_refresh_budget, args.mm_kv_budget)
     config = BenchConfig(
         workloads=tuple(w for w in args.workloads.split(",") if w),
         images=args.images,
@@ -162,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(sys.argv[1:] if argv is None else argv),
         "model_path": str(model),
         "shared_server_args": shared,
-        "command_lines": command_lines(model, args.modes, shared, args),
+        "command_lines": commands,
         "refresh_budget": args.mm_refresh_budget,
         "config": {k: getattr(config, k) for k in config.__slots__},
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
@@ -170,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_outputs(run, rows, meta, args.out_dir)
     print(format_table(rows))
-    for name, command in command_lines(model, args.modes, shared, args).items():
+    for name, command in commands.items():
         print(f"{name}: {command}")
     overlap = run.settings_differences.get("disable_overlap_schedule", {})
     print(f"verified from /get_server_info: disable_overlap_schedule {overlap or 'equal'}")

@@ -10,6 +10,7 @@ the refresh modes turn off (reported).
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -18,9 +19,18 @@ from pathlib import Path
 import requests
 
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
+from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
 
 STOCK = "stock"
+DEFAULT_BENCH_MODEL = Path("/tmp/sgl_mmkv-bench-qwen2-vl")
+# Hardware and memory only: stock runs at its defaults (overlap scheduler on, its
+# own page size, chunking and schedule policy); sgl_mmkv adds what it needs itself.
+CPU_SHARED_ARGS = (
+    "--device cpu --attention-backend torch_native --max-total-tokens 32768 "
+    "--mem-fraction-static 0.3 --random-seed 0 --enable-cache-report"
+)
+GPU_SHARED_ARGS = "--mem-fraction-static 0.8 --random-seed 0 --enable-cache-report"
 
 # Server settings that must be equal on every side of a comparison.
 COMPARED_SETTINGS = (
@@ -121,6 +131,35 @@ def build_side(
         mmkv = mode_flags(name, refresh_budget, kv_budget)
         process = ServerProcess("sgl_mmkv.launch_server", model_path, [*mmkv, *shared_args], log)
     return Side(name, process)
+
+
+def bench_model(path: Path = DEFAULT_BENCH_MODEL) -> Path:
+    """The benchmarks' random-weight Qwen2-VL (``make_tiny_model --preset bench``),
+    built once at ``path``: large enough that prefill compute dominates on a CPU."""
+    if not (path / "config.json").exists():
+        make_tiny_model("qwen2_vl", path, seed=0, spec=BENCH_SPEC)
+    return path
+
+
+def shared_server_args(server_args: str | None, cuda: bool) -> list[str]:
+    """The arguments every side gets: ``server_args`` if given, else the CPU or GPU set."""
+    return shlex.split(server_args or (GPU_SHARED_ARGS if cuda else CPU_SHARED_ARGS))
+
+
+def command_lines(
+    model: Path,
+    modes: Sequence[str],
+    shared: Sequence[str],
+    refresh_budget: float,
+    kv_budget: float = DEFAULT_KV_BUDGET,
+) -> dict[str, str]:
+    """The command line of each side (the port added at start aside)."""
+    base = f"--model-path {model} " + shlex.join(shared)
+    lines = {STOCK: f"python -m sglang.launch_server {base}"}
+    for mode in modes:
+        flags = shlex.join(mode_flags(mode, refresh_budget, kv_budget))
+        lines[mode] = f"python -m sgl_mmkv.launch_server {base} {flags}"
+    return lines
 
 
 def compare_settings(infos: dict[str, dict]) -> dict[str, dict[str, object]]:
