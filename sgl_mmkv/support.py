@@ -1,11 +1,12 @@
 """What sgl_mmkv's refresh path supports, checked before the server starts.
 
-The refresh executor re-positions reused KV with the model's plain RoPE, runs its
-own attention over one request row at a time, copies KV token by token, and runs
-sub-batches on one device. Everything outside that is refused here, with one line
-naming the flag or the model and what is missing, instead of crashing in the
-scheduler or answering wrongly later. The checks read SGLang's parsed
-``ServerArgs``, so ``--config`` files and abbreviated flags are seen too.
+The refresh executor re-positions reused KV by rotating keys (a RoPE whose angle
+is linear in position), runs its own attention over one request row at a time,
+copies KV token by token, and runs sub-batches on one device. Everything outside
+that is refused here, with one line naming the flag or the model and what is
+missing, instead of crashing in the scheduler or answering wrongly later. The
+checks read SGLang's parsed ``ServerArgs``, so ``--config`` files and abbreviated
+flags are seen too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
 }
-PLAIN_ROPE_TYPES = (None, "default", "mrope")
+UNSCALED_ROPE_TYPES = (None, "default", "mrope")
+# Rotary variants whose angle is linear in position, so a rotation by the position
+# delta re-positions a reused key exactly (refresh/rotary.py derives the rates from
+# the model's own cache and checks it; tests/test_rotary_variants.py covers each).
+LINEAR_ROPE_TYPES = (*UNSCALED_ROPE_TYPES, "linear", "dynamic", "yarn", "llama3")
 PLAIN_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -134,7 +139,7 @@ def rope_type(config: dict) -> str | None:
             params = scope.get(field)
             if isinstance(params, dict):
                 kind = params.get("rope_type") or params.get("type")
-                if kind not in (None, "default", "mrope"):
+                if kind not in UNSCALED_ROPE_TYPES:
                     return kind
     return None
 
@@ -151,10 +156,12 @@ def check_model(mode: str, model_path: str) -> None:
             f"{mode} does not support {name} (supported: {supported}); use --mm-reuse exact or off"
         )
     kind = rope_type(config)
-    if kind not in PLAIN_ROPE_TYPES:
+    if kind not in LINEAR_ROPE_TYPES:
+        supported = ", ".join(k for k in LINEAR_ROPE_TYPES if k not in UNSCALED_ROPE_TYPES)
         raise ConfigError(
-            f"{mode} does not support {name} with {kind} rotary scaling: re-positioning "
-            "rotates reused keys by the unscaled frequencies"
+            f"{mode} does not support {name} with {kind} rotary scaling: its angle is not "
+            f"linear in position, so a rotation cannot re-position reused keys "
+            f"(supported scalings: {supported})"
         )
     text = config.get("text_config") or config
     if text.get("use_sliding_window"):

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sgl_mmkv.config import ConfigError
+from sgl_mmkv.support import check_model
 from sgl_mmkv.testing.server import stock_cpu_env
 
 # (case, extra flags, what the one-line reason must name)
@@ -45,24 +47,25 @@ def _launch(model, extra: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def yarn_vlm(tiny_vlm, tmp_path_factory):
-    """The tiny VLM's files with YaRN rotary scaling in its config."""
-    out = tmp_path_factory.mktemp("yarn") / "tiny-qwen2-vl-yarn"
+def longrope_vlm(tiny_vlm, tmp_path_factory):
+    """The tiny VLM's files with LongRoPE rotary scaling in its config."""
+    out = tmp_path_factory.mktemp("longrope") / "tiny-qwen2-vl-longrope"
     shutil.copytree(tiny_vlm, out)
     config = json.loads((out / "config.json").read_text())
     for scope in (config, config.get("text_config") or {}):
-        scope["rope_parameters"] = {**scope.get("rope_parameters", {}), "rope_type": "yarn"}
-        scope["rope_parameters"]["factor"] = 4.0
+        params = {**scope.get("rope_parameters", {}), "rope_type": "longrope"}
+        params.update(short_factor=[1.0], long_factor=[4.0])
+        scope["rope_parameters"] = params
     (out / "config.json").write_text(json.dumps(config))
     return out
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_vlm, tiny_llm, yarn_vlm) -> dict[str, subprocess.CompletedProcess]:
+def launches(tiny_vlm, tiny_llm, longrope_vlm) -> dict[str, subprocess.CompletedProcess]:
     """Every refused start-up, two at a time (each imports SGLang, then exits)."""
     runs = {name: (tiny_vlm, extra) for name, extra, _ in FLAG_CASES}
     runs["text-only model"] = (tiny_llm, [])
-    runs["yarn model"] = (yarn_vlm, [])
+    runs["longrope model"] = (longrope_vlm, [])
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(_launch, *run) for name, run in runs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -86,5 +89,43 @@ def test_a_text_only_model_is_refused(launches):
     assert "does not support Qwen2ForCausalLM" in line and "--mm-reuse exact or off" in line
 
 
-def test_a_scaled_rotary_is_refused(launches):
-    assert "yarn rotary scaling" in _refused(launches["yarn model"])
+def test_a_rotary_not_linear_in_position_is_refused(launches):
+    line = _refused(launches["longrope model"])
+    assert "longrope rotary scaling" in line and "not linear in position" in line
+
+
+def _model_with_rope(tmp_path, rope: dict | None, field: str = "rope_parameters"):
+    """A config-only Qwen2-VL directory whose text model uses ``rope``."""
+    text = {"rope_theta": 1e6} | ({field: rope} if rope is not None else {})
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "text_config": text}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+LINEAR_ROPES = [
+    None,
+    {"rope_type": "default", "mrope_section": [16, 24, 24]},
+    {"type": "mrope", "mrope_section": [16, 24, 24]},
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "mrope_section": [16, 24, 24]},
+    {"rope_type": "llama3", "factor": 8.0},
+]
+
+
+LINEAR_IDS = ["none", "mrope", "mrope-legacy", "linear", "dynamic", "yarn-mrope", "llama3"]
+
+
+@pytest.mark.parametrize("rope", LINEAR_ROPES, ids=LINEAR_IDS)
+def test_rotaries_linear_in_position_are_accepted(tmp_path, rope):
+    check_model("--mm-reuse conduit", _model_with_rope(tmp_path, rope))
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su", "proportional", "deepseek_yarn"])
+@pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
+def test_other_rotary_scalings_are_refused_in_one_line(tmp_path, kind, field):
+    with pytest.raises(ConfigError) as refused:
+        check_model("--mm-reuse conduit", _model_with_rope(tmp_path, {"rope_type": kind}, field))
+    line = str(refused.value)
+    assert "\n" not in line and f"{kind} rotary scaling" in line
+    assert "supported scalings: linear, dynamic, yarn, llama3" in line

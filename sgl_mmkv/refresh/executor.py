@@ -45,6 +45,7 @@ from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.observer import PrefillObserver, observing
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.ranker import Span, VisualRanker
+from sgl_mmkv.refresh.rotary import rope_rates_of
 from sgl_mmkv.refresh.row_kv import row_kv
 from sgl_mmkv.refresh.sub_batch import active_sub_batch, needs_every_row
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
@@ -73,17 +74,6 @@ class RefreshCounters(Counters):
     full_prefill_flops: int = 0
     seconds: float = 0.0
     ranking_seconds: float = 0.0
-
-
-def rope_inv_freq_of(model) -> torch.Tensor:
-    """``(rotary_dim // 2,)`` float32 inverse frequencies of the decoder's RoPE."""
-    for module in model.modules():
-        rotary = getattr(module, "rotary_emb", None)
-        if rotary is not None and hasattr(rotary, "_compute_inv_freq"):
-            if not getattr(rotary, "is_neox_style", True):
-                raise NotImplementedError("sgl_mmkv re-positions neox-style RoPE only")
-            return rotary._compute_inv_freq(rotary.base).float()
-    raise NotImplementedError(f"{type(model).__name__}: no rotary embedding found to re-position")
 
 
 class RefreshExecutor:
@@ -386,7 +376,7 @@ class RefreshExecutor:
     def _copy_segments(self, model_runner, forward_batch, plans) -> None:
         """Rotated copies of every reused span into the request's slots, all layers."""
         if self._inv_freq is None:
-            self._inv_freq = rope_inv_freq_of(model_runner.model)
+            self._inv_freq = rope_rates_of(model_runner.model)
         src, dst, delta = [], [], []
         req_to_token = model_runner.req_to_token_pool.req_to_token
         for plan in plans:
