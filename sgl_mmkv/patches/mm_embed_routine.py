@@ -10,6 +10,7 @@ routine runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 TARGET = "sglang.srt.managers.mm_utils.general_mm_embed_routine"
@@ -48,6 +49,7 @@ def embed_active_rows(
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
         full = embeddings.full_batch
+        started = time.perf_counter()
         with forward_context(ForwardContext(attn_backend=embeddings.stock_backend)):
             embeddings.embeds = prepare_mm_inputs(
                 full.input_ids,
@@ -60,6 +62,7 @@ def embed_active_rows(
                 use_deepstack if use_deepstack is not None else {},
                 feature_dtypes,
             )
+        embeddings.seconds += time.perf_counter() - started
     input_embeds = embeddings.embeds[embeddings.index]
     return language_model(
         input_ids=None, forward_batch=forward_batch, input_embeds=input_embeds, **kwargs

@@ -20,12 +20,14 @@ import torch
 @dataclass
 class EmbeddingPass:
     """``full_batch``: the stock extend batch; ``index``: ``(n_active,)`` rows of it
-    that the current pass computes; ``embeds``: ``(n_extend, hidden)`` once built."""
+    that the current pass computes; ``embeds``: ``(n_extend, hidden)`` once built;
+    ``seconds``: wall time building them (vision encoder or its cache)."""
 
     full_batch: object
     stock_backend: object = None
     index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     embeds: torch.Tensor | None = None
+    seconds: float = 0.0
 
 
 _current: EmbeddingPass | None = None

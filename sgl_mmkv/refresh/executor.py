@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,14 @@ class RefreshCounters(Counters):
     full_prefill_flops: int = 0
     seconds: float = 0.0
     ranking_seconds: float = 0.0
+    # wall time by phase of refresh forwards (host clock: on CUDA without a
+    # synchronize they time the launches); embedding runs inside the first pass
+    plan_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    embedding_seconds: float = 0.0
+    scoring_seconds: float = 0.0
+    refresh_seconds: float = 0.0
+    fill_seconds: float = 0.0
 
 
 class RefreshExecutor:
@@ -121,7 +130,8 @@ class RefreshExecutor:
         self.on_forward = on_forward
         compress_budget = ranker.budget if ranker is not None and compress_on_fill else None
         self.filler = SegmentFiller(store, self.counters, fill_policy, compress_budget)
-        self._inv_freq: torch.Tensor | None = None
+        # the model's RoPE rates, or why it cannot be re-positioned (looked up once)
+        self._rates: torch.Tensor | NotImplementedError | None = None
         self._shape: DecoderShape | None = None
         # What a stock fallback of the current forward can use (execute_extend).
         self._stock_out = None
@@ -150,7 +160,20 @@ class RefreshExecutor:
         finally:
             self._stock_out, self._embeddings = None, None
 
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Add the block's wall time to counter ``{name}_seconds``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            field = f"{name}_seconds"
+            setattr(
+                self.counters, field, getattr(self.counters, field) + time.perf_counter() - started
+            )
+
     def _execute(self, run_extend: Callable, model_runner, forward_batch):
+        started = time.perf_counter()
         plans = plan_batch(self.store, forward_batch)
         fault_point("plan")
         self._drop_unsupported(forward_batch, plans)
@@ -170,15 +193,19 @@ class RefreshExecutor:
             )
             self._report(forward_batch, plans, None, out, 0.0)
             return out
-        started = time.perf_counter()
-        self._copy_segments(model_runner, forward_batch, plans)
+        self.counters.plan_seconds += time.perf_counter() - started
+        with self._phase("copy"):
+            self._copy_segments(model_runner, forward_batch, plans)
         fault_point("copy")
         fresh = [~p.reused_mask() for p in plans]
         embeddings = EmbeddingPass(
             full_batch=forward_batch, stock_backend=model_runner.attn_backend
         )
         self._embeddings = embeddings
-        selected = self._select(run_extend, model_runner, forward_batch, plans, fresh, embeddings)
+        with self._phase("scoring"):
+            selected = self._select(
+                run_extend, model_runner, forward_batch, plans, fresh, embeddings
+            )
         # The tokens a compressed segment lacks got their KV in the scoring (or
         # CacheBlend's) pass already; recomputing them again would cost more than
         # the reuse saves, so only the text and the selected tokens run again, and
@@ -192,15 +219,23 @@ class RefreshExecutor:
             skip = unchanged_prefix(plan, chosen, self.scorer.needs_fresh_kv) if computed else 0
             active.append(refresh_rows(plan, mask, chosen, computed, skip))
         observer = self.ranker.observer_for(plans, active) if self.ranker is not None else None
-        out = self._run_pass(
-            run_extend, model_runner, forward_batch, active, embeddings, observer=observer
-        )
+        with self._phase("refresh"):
+            out = self._run_pass(
+                run_extend, model_runner, forward_batch, active, embeddings, observer=observer
+            )
         fault_point("refresh")
+        self.counters.embedding_seconds += embeddings.seconds
         rankings = self._rank(observer, model_runner, forward_batch, plans, active)
         fault_point("ranking")
-        self.filler.fill(
-            self._pass_runner(run_extend), model_runner, forward_batch, plans, embeddings, rankings
-        )
+        with self._phase("fill"):
+            self.filler.fill(
+                self._pass_runner(run_extend),
+                model_runner,
+                forward_batch,
+                plans,
+                embeddings,
+                rankings,
+            )
         self._report(forward_batch, plans, selected, out, time.perf_counter() - started)
         return out
 
@@ -375,8 +410,13 @@ class RefreshExecutor:
 
     def _copy_segments(self, model_runner, forward_batch, plans) -> None:
         """Rotated copies of every reused span into the request's slots, all layers."""
-        if self._inv_freq is None:
-            self._inv_freq = rope_rates_of(model_runner.model)
+        if self._rates is None:
+            try:
+                self._rates = rope_rates_of(model_runner.model)
+            except NotImplementedError as refused:
+                self._rates = refused
+        if isinstance(self._rates, NotImplementedError):
+            raise self._rates
         src, dst, delta = [], [], []
         req_to_token = model_runner.req_to_token_pool.req_to_token
         for plan in plans:
@@ -393,7 +433,7 @@ class RefreshExecutor:
         src_loc = torch.cat(src).to(device)
         dst_loc = torch.cat(dst).to(device, torch.long)
         deltas = torch.cat(delta).to(device)
-        inv_freq = self._inv_freq.to(device)
+        inv_freq = self._rates.to(device)
         for layer in range(pool.layer_num):
             gather_rotate_kv(
                 pool.get_key_buffer(layer),
