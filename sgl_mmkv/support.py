@@ -21,6 +21,7 @@ SGLANG_VERSION = "0.5.23"
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
+    "Qwen3VLForConditionalGeneration": "Qwen3-VL (interleaved M-RoPE, DeepStack)",
 }
 PLAIN_ROPE_TYPES = (None, "default", "mrope")
 PLAIN_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
