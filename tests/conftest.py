@@ -44,5 +44,11 @@ def tiny_qwen25_vl(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl(model_dir) -> Path:
+    """Tiny Qwen3-VL: interleaved M-RoPE, QK-norm, DeepStack from both vision layers."""
+    return _build(model_dir, "qwen3_vl", "tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(model_dir) -> Path:
     return _build(model_dir, "qwen2", "tiny-qwen2")

@@ -77,22 +77,36 @@ def test_mismatched_lengths_are_rejected():
         )
 
 
-def _sglang_rope(mrope: bool, head_dim: int, base: float):
+def _sglang_rope(mrope: bool, head_dim: int, base: float, interleaved: bool = False):
     pytest.importorskip("sglang")
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
     from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
 
     if mrope:
-        return MRotaryEmbedding(head_dim, head_dim, 8192, base, True, torch.float32, [4, 6, 6])
+        return MRotaryEmbedding(
+            head_dim,
+            head_dim,
+            8192,
+            base,
+            True,
+            torch.float32,
+            [4, 6, 6],
+            mrope_interleaved=interleaved,
+        )
     return RotaryEmbedding(head_dim, head_dim, 8192, base, True, torch.float32)
 
 
-@pytest.mark.parametrize("mrope", [False, True], ids=["rope-1d", "m-rope"])
-def test_rotated_cached_k_equals_fresh_k_at_new_positions(mrope):
+@pytest.mark.parametrize(
+    "mrope, interleaved",
+    [(False, False), (True, False), (True, True)],
+    ids=["rope-1d", "m-rope", "m-rope-interleaved"],
+)
+def test_rotated_cached_k_equals_fresh_k_at_new_positions(mrope, interleaved):
     """Layer-0 K of an image: computed at old positions then rotated by the delta ==
-    computed fresh at the new positions, with SGLang's own rotary embedding."""
+    computed fresh at the new positions, with SGLang's own rotary embedding
+    (interleaved: Qwen3-VL's t, h, w frequency layout)."""
     head_dim, heads, base = 32, 2, 1e6
-    rope = _sglang_rope(mrope, head_dim, base)
+    rope = _sglang_rope(mrope, head_dim, base, interleaved)
     n = 16  # one 4 x 4 image
     k_raw = torch.randn(n, heads * head_dim, generator=torch.Generator().manual_seed(3))
     old_start, new_start = 23, 141

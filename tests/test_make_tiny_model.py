@@ -77,3 +77,55 @@ def test_text_model_generates_varied_tokens(tiny_llm):
     out = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
     # initializer_range 0.3 keeps greedy decoding from collapsing into one token.
     assert len(set(out.tolist())) >= 3
+
+
+def test_qwen3_vl_config_fields(tiny_qwen3_vl):
+    import json
+
+    config = json.loads((tiny_qwen3_vl / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert config["model_type"] == "qwen3_vl"
+    vision, text = config["vision_config"], config["text_config"]
+    assert vision["patch_size"] == 16
+    assert vision["deepstack_visual_indexes"] == [0, 1]
+    assert vision["out_hidden_size"] == text["hidden_size"] == 128
+    assert text["head_dim"] == 32
+    assert text["rope_scaling"] == {
+        "rope_type": "default",
+        "mrope_section": [4, 6, 6],
+        "mrope_interleaved": True,
+    }
+    processor = json.loads((tiny_qwen3_vl / "processor_config.json").read_text())
+    assert processor["processor_class"] == "Qwen3VLProcessor"
+    assert processor["image_processor"]["patch_size"] == 16
+
+
+def test_qwen3_vl_same_seed_same_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    a = make_tiny_model("qwen3_vl", tmp_path / "a", seed=5)
+    b = make_tiny_model("qwen3_vl", tmp_path / "b", seed=5)
+    c = make_tiny_model("qwen3_vl", tmp_path / "c", seed=6)
+    assert _digests(a) == _digests(b)
+    weights, other = load_file(a / "model.safetensors"), load_file(c / "model.safetensors")
+    merger = "model.visual.deepstack_merger_list.1.linear_fc2.weight"
+    assert merger in weights
+    assert weights[merger].shape == (128, 256)  # 2 x 2 merge of width 64 -> hidden 128
+    assert not torch.equal(weights[merger], other[merger])
+
+
+def test_qwen3_vl_loads_and_runs_with_its_processor(tiny_qwen3_vl):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[make_image(1)], return_tensors="pt")
+    # 112 x 112 -> 128 x 128 -> 8 x 8 patches of 16 -> 2 x 2 merge -> 16 tokens.
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert int((inputs["input_ids"] == SPECIAL_TOKENS.index("<|image_pad|>")).sum()) == 16
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape == (1, inputs["input_ids"].shape[1], 1024)
+    assert torch.isfinite(logits).all()

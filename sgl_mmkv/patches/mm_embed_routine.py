@@ -4,8 +4,10 @@ AROUND hook: during a refresh pass (``sgl_mmkv.refresh.embedding_pass``) the
 batch holds only its active tokens, but multimodal embedding must see the whole
 extend to place image features. So the full batch's embeddings are built once
 by SGLang's own ``prepare_mm_inputs`` (vision encoder and its cache included),
-and the language model gets the active rows. Outside a refresh pass the stock
-routine runs.
+and the language model gets the active rows. The other per-token inputs that
+``prepare_mm_inputs`` writes into its ``kwargs`` (Qwen3-VL's DeepStack features)
+are kept with the embeddings and passed at the same rows. Outside a refresh pass
+the stock routine runs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def embed_active_rows(
             feature_dtypes,
             **kwargs,
         )
+    import torch
     from sglang.srt.managers.mm_utils import prepare_mm_inputs
 
     if embeddings.embeds is None:
@@ -50,12 +53,13 @@ def embed_active_rows(
 
         full = embeddings.full_batch
         started = time.perf_counter()
+        made: dict[str, Any] = {}
         with forward_context(ForwardContext(attn_backend=embeddings.stock_backend)):
             embeddings.embeds = prepare_mm_inputs(
                 full.input_ids,
                 full,
                 language_model,
-                dict(kwargs),
+                made,
                 multimodal_model,
                 data_embedding_funcs,
                 placeholder_tokens,
@@ -63,9 +67,16 @@ def embed_active_rows(
                 feature_dtypes,
             )
         embeddings.seconds += time.perf_counter() - started
+        embeddings.token_inputs = {
+            name: value for name, value in made.items() if isinstance(value, torch.Tensor)
+        }
     input_embeds = embeddings.embeds[embeddings.index]
     return language_model(
-        input_ids=None, forward_batch=forward_batch, input_embeds=input_embeds, **kwargs
+        input_ids=None,
+        forward_batch=forward_batch,
+        input_embeds=input_embeds,
+        **kwargs,
+        **embeddings.active_inputs(),
     )
 
 

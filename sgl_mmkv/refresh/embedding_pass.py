@@ -3,7 +3,9 @@
 A refresh sub-batch holds only its active tokens, but multimodal embedding must
 see the whole extend to place image features. The full batch's embeddings are
 built once (SGLang's ``prepare_mm_inputs``, vision encoder and its cache
-included) and each pass takes its active rows. SGLang's eager runner copies the
+included) and each pass takes its active rows, of the input embeddings and of
+every per-token input the language model also takes (Qwen3-VL's DeepStack
+features, ``input_deepstack_embeds``). SGLang's eager runner copies the
 ForwardBatch before the model sees it, so the pass travels in this module's
 state (scheduler thread) rather than as a batch attribute.
 """
@@ -21,6 +23,8 @@ import torch
 class EmbeddingPass:
     """``full_batch``: the stock extend batch; ``index``: ``(n_active,)`` rows of it
     that the current pass computes; ``embeds``: ``(n_extend, hidden)`` once built;
+    ``token_inputs``: the other language-model inputs ``prepare_mm_inputs`` made,
+    by keyword, each ``(n_extend, ...)`` (DeepStack: ``(n_extend, hidden * k)``);
     ``seconds``: wall time building them (vision encoder or its cache)."""
 
     full_batch: object
@@ -28,6 +32,11 @@ class EmbeddingPass:
     index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     embeds: torch.Tensor | None = None
     seconds: float = 0.0
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def active_inputs(self) -> dict[str, torch.Tensor]:
+        """``token_inputs`` at this pass's rows: each ``(n_active, ...)``."""
+        return {name: rows[self.index] for name, rows in self.token_inputs.items()}
 
 
 _current: EmbeddingPass | None = None

@@ -1,4 +1,4 @@
-"""Build tiny random-weight Qwen2 / Qwen2-VL / Qwen2.5-VL checkpoints offline.
+"""Build tiny random-weight Qwen2 / Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints offline.
 
     python -m sgl_mmkv.testing.make_tiny_model --arch qwen2_vl --out DIR [--seed N]
 
@@ -20,7 +20,9 @@ import torch
 
 from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
-ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl")
+ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Qwen3-VL cuts 16-pixel patches (Qwen2-VL and Qwen2.5-VL: 14).
+PATCH_SIZE = {"qwen3_vl": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,8 @@ class TinyModelSpec:
     mrope_section: tuple[int, int, int] = (4, 6, 6)
     max_position_embeddings: int = 4096
     initializer_range: float = 0.3
-    # 112 x 112 pixels -> 8 x 8 patches of 14 -> 16 tokens after the 2 x 2 merge.
+    # 112 x 112 pixels -> 8 x 8 patches of 14 -> 16 tokens after the 2 x 2 merge
+    # (Qwen3-VL: resized to 128 x 128 -> 8 x 8 patches of 16 -> 16 tokens).
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
 
@@ -102,6 +105,18 @@ def _vision_config(spec: TinyModelSpec, arch: str) -> dict:
         "temporal_patch_size": 2,
         "initializer_range": 0.02,
     }
+    if arch == "qwen3_vl":
+        return {
+            **common,
+            "patch_size": PATCH_SIZE[arch],
+            "hidden_size": spec.vision_width,
+            "intermediate_size": 2 * spec.vision_width,
+            "out_hidden_size": spec.hidden_size,
+            "hidden_act": "gelu_pytorch_tanh",
+            # A learned 16 x 16 grid of position embeddings, interpolated per image.
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": deepstack_visual_indexes(spec),
+        }
     if arch == "qwen2_vl":
         return {
             **common,
@@ -122,17 +137,29 @@ def _vision_config(spec: TinyModelSpec, arch: str) -> dict:
     }
 
 
+def deepstack_visual_indexes(spec: TinyModelSpec) -> list[int]:
+    """Qwen3-VL's DeepStack: the vision layers whose merged features are added to the
+    image tokens' hidden states after decoder layers ``0 .. n - 1``. Tiny: every vision
+    layer, at most one per decoder layer."""
+    return list(range(min(spec.vision_depth, spec.num_layers)))
+
+
 def build_config(arch: str, spec: TinyModelSpec):
     """Return the transformers config object of ``arch`` at the sizes of ``spec``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3VLConfig
 
     if arch == "qwen2":
         config = Qwen2Config(**_text_config(spec, mrope=False))
         config.architectures = ["Qwen2ForCausalLM"]
         return config
     ids = _token_ids()
-    cls = Qwen2VLConfig if arch == "qwen2_vl" else Qwen2_5_VLConfig
+    cls = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}[
+        arch
+    ]
     text = _text_config(spec, mrope=True)
+    if arch == "qwen3_vl":
+        text["head_dim"] = spec.hidden_size // spec.num_heads
+        text["rope_parameters"]["mrope_interleaved"] = True
     config = cls(
         text_config=text,
         vision_config=_vision_config(spec, arch),
@@ -142,12 +169,16 @@ def build_config(arch: str, spec: TinyModelSpec):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    config.architectures = [
-        "Qwen2VLForConditionalGeneration"
-        if arch == "qwen2_vl"
-        else "Qwen2_5_VLForConditionalGeneration"
-    ]
+    config.architectures = [ARCHITECTURES[arch]]
     return config
+
+
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
 
 
 def _model_class(arch: str):
@@ -157,24 +188,35 @@ def _model_class(arch: str):
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
     }[arch]
 
 
 def _save_processor(arch: str, out: Path, tokenizer, spec: TinyModelSpec) -> None:
-    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    import transformers
 
-    image_processor = Qwen2VLImageProcessor(
+    patch_size = PATCH_SIZE.get(arch, 14)
+    image_processor = transformers.Qwen2VLImageProcessor(
         min_pixels=spec.min_pixels,
         max_pixels=spec.max_pixels,
-        patch_size=14,
+        patch_size=patch_size,
         merge_size=2,
         temporal_patch_size=2,
     )
-    video_processor = Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-    if arch == "qwen2_vl":
-        from transformers import Qwen2VLProcessor as processor_cls
+    if arch == "qwen3_vl":
+        video_processor = transformers.Qwen3VLVideoProcessor(
+            size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+            patch_size=patch_size,
+        )
     else:
-        from transformers import Qwen2_5_VLProcessor as processor_cls
+        video_processor = transformers.Qwen2VLVideoProcessor(
+            min_pixels=spec.min_pixels, max_pixels=spec.max_pixels
+        )
+    processor_cls = {
+        "qwen2_vl": transformers.Qwen2VLProcessor,
+        "qwen2_5_vl": transformers.Qwen2_5_VLProcessor,
+        "qwen3_vl": transformers.Qwen3VLProcessor,
+    }[arch]
     processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -189,6 +231,13 @@ def _patch_config_json(path: Path, arch: str, spec: TinyModelSpec) -> None:
     config = json.loads(path.read_text())
     if arch != "qwen2":
         rope_scaling = {"type": "mrope", "mrope_section": list(spec.mrope_section)}
+        if arch == "qwen3_vl":
+            # As in the published Qwen3-VL checkpoints: t, h, w frequencies interleaved.
+            rope_scaling = {
+                "rope_type": "default",
+                "mrope_section": list(spec.mrope_section),
+                "mrope_interleaved": True,
+            }
         config["rope_scaling"] = rope_scaling
         config["text_config"]["rope_scaling"] = rope_scaling
         config["vision_config"]["in_chans"] = 3
