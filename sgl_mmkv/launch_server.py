@@ -122,9 +122,7 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
         # Decode-time compression plans in the forward and shrinks rows when the
         # prefill's result is processed; the overlap scheduler runs the next batch
         # (those rows included) in between, so it is turned off for that mode only.
-        if config.compresses_at_decode and not _has_flag(
-            sglang_argv, "--disable-overlap-schedule"
-        ):
+        if config.compresses_at_decode and not _has_flag(sglang_argv, "--disable-overlap-schedule"):
             sglang_argv.append("--disable-overlap-schedule")
     return config, sglang_argv
 

@@ -50,9 +50,8 @@ def _row(report: dict, cell: str, side: str) -> dict:
 
 def test_every_cell_ran_on_both_sides_without_failures(bench):
     assert bench["sides"] == ["stock", "conduit"]
-    # stock at its defaults: the overlap scheduler on; the refresh mode turns it off
-    overlap = bench["settings_differences"]["disable_overlap_schedule"]
-    assert overlap == {"stock": False, "conduit": True}
+    # stock at its defaults, the overlap scheduler on; the refresh mode keeps it on
+    assert "disable_overlap_schedule" not in bench["settings_differences"]
     assert "--disable-overlap-schedule" not in bench["meta"]["command_lines"]["stock"]
     cells = {r["cell"] for r in bench["cells"]}
     assert len(cells) == 4 * 2  # 4 workloads x 2 concurrencies
