@@ -153,6 +153,30 @@ def test_plan_leaves_prefix_and_partial_images_alone(store):
     assert plan.spans == [] and plan.fills == []
 
 
+def test_an_image_cut_by_a_chunk_boundary_is_reused_part_by_part(store):
+    # Row: 0-7 text, 8-11 image B (stored 3 positions earlier); chunks [0, 10), [10, 14).
+    mrope = torch.arange(14).repeat(3, 1)
+    segment = store.fill(_key(22, 4), store.allocator.alloc(4), mrope[:, 8:12] - 3)
+    items = [_item(22, 8, 11)]
+    first = plan_request(store, 0, _mm(items, mrope), 0, 10)
+    second = plan_request(store, 0, _mm(items, mrope), 10, 4)
+    (a,), (b,) = first.spans, second.spans
+    assert (a.start, a.end, a.delta, b.start, b.end, b.delta) == (8, 10, 3, 10, 12, 3)
+    assert a.reused_positions().tolist() == [8, 9] and b.reused_positions().tolist() == [10, 11]
+    assert torch.equal(torch.cat([a.source_slots(), b.source_slots()]), segment.slots)
+    assert first.reused_mask().tolist() == [False] * 8 + [True] * 2
+    assert second.reused_mask().tolist() == [True, True, False, False]
+    assert first.fills == [] and second.fills == [] and first.images == second.images == []
+    # a compressed segment: each part serves only its kept tokens
+    segment.kept, segment.slots = torch.tensor([1, 2]), segment.slots[[1, 2]]
+    (a,), (b,) = (
+        plan_request(store, 0, _mm(items, mrope), p, n).spans for p, n in [(0, 10), (10, 4)]
+    )
+    assert a.reused_positions().tolist() == [9] and b.reused_positions().tolist() == [10]
+    assert (a.num_reused, b.num_reused) == (1, 1)
+    assert torch.equal(torch.cat([a.source_slots(), b.source_slots()]), segment.slots)
+
+
 def test_reserve_then_discard_returns_every_slot(store):
     before = store.allocator.available_size()
     segment = store.reserve((5, 6), 6, torch.arange(6)[None])

@@ -423,7 +423,7 @@ class RefreshExecutor:
             pool_index = forward_batch.req_pool_indices[plan.index]
             row = req_to_token[pool_index]
             for span in plan.spans:
-                src.append(span.segment.slots)
+                src.append(span.source_slots())
                 dst.append(row[span.reused_positions().to(row.device)])
                 delta.append(torch.full((span.num_reused,), span.delta, dtype=torch.long))
         if not src:

@@ -1,10 +1,11 @@
 """Reuse plans: which image spans of an extend batch are served from the segment store.
 
 For request ``i`` of an extend batch the uncached part of its row is
-``[prefix_i, prefix_i + extend_i)``. An image item whose whole span lies inside it
-and whose content key is in the store becomes a :class:`ReuseSpan`, provided its
-new positions are the stored ones shifted by one constant ``delta`` (true for an
-image moved as a whole, for 1-D RoPE and M-RoPE alike). Everything else in the
+``[prefix_i, prefix_i + extend_i)``. An image item whose content key is in the store
+becomes a :class:`ReuseSpan` over its tokens inside that range (the whole image,
+or its part in this chunk when chunked prefill cut it), provided its new positions
+are the stored ones shifted by one constant ``delta`` (true for an image moved as a
+whole, for 1-D RoPE and M-RoPE alike). Everything else in the
 extend is computed as stock would. Items computed fresh by the end of this
 extend and not yet stored are :class:`FillCandidate` s.
 """
@@ -23,22 +24,36 @@ from sgl_mmkv.segments.store import Segment, SegmentStore
 class ReuseSpan:
     """Row positions ``[start, end)`` filled from ``segment``, shifted by ``delta``.
 
-    A compressed segment fills only its kept tokens (:meth:`reused_positions`); the
-    others are computed fresh like text.
+    The image itself begins at row position ``image_start`` (``-1``: at ``start``).
+    A span is the whole image, or the part of it inside this extend when chunked
+    prefill cut the image at a chunk boundary. A compressed segment fills only its
+    kept tokens (:meth:`reused_positions`); the others are computed fresh like text.
     """
 
     start: int
     end: int
     segment: Segment
     delta: int
+    image_start: int = -1
+
+    def _kept_in_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kept image-token indices in the window, their mask over kept tokens)``."""
+        first = self.start if self.image_start < 0 else self.image_start
+        kept = self.segment.kept_indices()
+        inside = (kept >= self.start - first) & (kept < self.end - first)
+        return kept[inside] + first, inside
 
     def reused_positions(self) -> torch.Tensor:
         """``(m,)`` int64 row positions served from the segment."""
-        return self.segment.kept_indices() + self.start
+        return self._kept_in_window()[0]
+
+    def source_slots(self) -> torch.Tensor:
+        """``(m,)`` int64 store slots of :meth:`reused_positions`, in the same order."""
+        return self.segment.slots[self._kept_in_window()[1].to(self.segment.slots.device)]
 
     @property
     def num_reused(self) -> int:
-        return self.segment.num_tokens
+        return int(self._kept_in_window()[1].sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,24 +145,26 @@ def plan_request(
             continue
         start, end = span
         lo, hi = max(start, prefix_len), min(end, seq_len)
-        if lo < hi:
+        if start >= seq_len:
+            continue  # in a later chunk
+        in_extend = lo < hi
+        if in_extend:
             plan.visual[lo - prefix_len : hi - prefix_len] = True
-        if end > seq_len:
-            continue
-        if start >= prefix_len:
+        whole = (lo, hi) == (start, end)
+        if whole:
             plan.images.append((start, end))
         if namespace is UNTAGGED:
             continue
         key = item_key(item, namespace, end - start)
         positions = row_positions(mm_inputs, start, end)
-        if start >= prefix_len:
+        if in_extend:  # an image cut by a chunk boundary is reused part by part
             segment = store.lookup(key)
             if segment is not None and segment.alive:
                 delta = constant_delta(positions, segment.positions)
                 if delta is not None:
-                    plan.spans.append(ReuseSpan(start, end, segment, delta))
+                    plan.spans.append(ReuseSpan(lo, hi, segment, delta, -1 if whole else start))
                     continue
-        if key not in store:
+        if end <= seq_len and key not in store:
             plan.fills.append(FillCandidate(key, start, end, positions))
     return plan
 
