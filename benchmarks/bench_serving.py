@@ -8,9 +8,10 @@ requests over the pool with new system prompts and page orders; see
 ``sgl_mmkv/benchmarking/traces.py``) and runs the client against each side, one
 server up at a time, the order of the sides alternating over ``--rounds`` rounds.
 Each start reads the pool once (not measured), then runs every doc-QA trace of the
-round and the text-only controls (SGLang's ``random-ids`` dataset, decode-heavy, at
-each ``--text-concurrency``). Stock runs at its defaults; only hardware and memory
-flags are shared (``sgl_mmkv/benchmarking/servers.py``). Prints a table, both
+round, the no-reuse control (every page new) and the text-only controls (SGLang's
+``random-ids`` dataset, decode-heavy, at each ``--text-concurrency``). Stock runs at
+its defaults; only hardware and memory flags are shared
+(``sgl_mmkv/benchmarking/servers.py``). Prints a table, both
 command lines and the client's; writes ``bench_serving.json`` and ``.md``. Exits 1
 if any request failed.
 """
@@ -37,7 +38,7 @@ from sgl_mmkv.benchmarking.servers import (
     shared_server_args,
 )
 from sgl_mmkv.benchmarking.sglang_client import ClientRun, client_command, run_client
-from sgl_mmkv.benchmarking.traces import doc_qa_traces
+from sgl_mmkv.benchmarking.traces import doc_qa_traces, no_reuse_traces
 from sgl_mmkv.cpu_support import prepare_cpu_process
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput", "mean_tpot_ms")
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pool-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=448, help="pixels per side")
     parser.add_argument("--max-tokens", type=int, default=8, help="doc-QA output tokens")
+    parser.add_argument(
+        "--no-reuse-images", type=_ints, default=(8,), help="control: every page new"
+    )
     parser.add_argument("--text-concurrency", type=_ints, default=(1, 4, 16))
     parser.add_argument("--text-prompts", type=int, default=16)
     parser.add_argument("--text-input-len", type=int, default=512)
@@ -167,6 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens,
         )
         traces.update({f"{k}-{name}" if name != "warmup" else name: p for name, p in made.items()})
+    for k in args.no_reuse_images:
+        made = no_reuse_traces(
+            args.out_dir / "traces",
+            k,
+            args.num_prompts,
+            args.rounds,
+            image_size=args.image_size,
+            max_tokens=args.max_tokens,
+        )
+        traces.update({f"new-{k}-{name}": p for name, p in made.items()})
     records, infos, failed, counters = [], {}, [], {}
     for r in range(args.rounds):
         order = [STOCK, *modes]

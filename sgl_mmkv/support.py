@@ -24,6 +24,15 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL (interleaved M-RoPE, DeepStack)",
 }
+# Of those, the ones with M-RoPE: decode-time compression shortens a request's row
+# and moves its decode positions by M-RoPE's per-request offset, which 1-D RoPE lacks.
+MROPE_ARCHITECTURES = frozenset(
+    {
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+    }
+)
 UNSCALED_ROPE_TYPES = (None, "default", "mrope")
 # Rotary variants whose angle is linear in position, so a rotation by the position
 # delta re-positions a reused key exactly (refresh/rotary.py derives the rates from
@@ -112,7 +121,7 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
     for refused, reason in refusals:
         if refused:
             raise ConfigError(f"{mode} cannot run with {reason}")
-    check_model(mode, args.model_path)
+    check_model(mode, args.model_path, config.compresses_at_decode)
 
 
 def _model_config(model_path: str) -> dict:
@@ -145,9 +154,9 @@ def rope_type(config: dict) -> str | None:
     return None
 
 
-def check_model(mode: str, model_path: str) -> None:
+def check_model(mode: str, model_path: str, compresses_at_decode: bool = False) -> None:
     """Refuse a model whose class, rotary or attention the refresh path does not
-    reproduce exactly."""
+    reproduce exactly, or that ``--mm-compress-at decode`` cannot shorten."""
     config = _model_config(model_path)
     architectures = config.get("architectures") or ["unknown"]
     name = architectures[0]
@@ -155,6 +164,11 @@ def check_model(mode: str, model_path: str) -> None:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ConfigError(
             f"{mode} does not support {name} (supported: {supported}); use --mm-reuse exact or off"
+        )
+    if compresses_at_decode and name not in MROPE_ARCHITECTURES:
+        raise ConfigError(
+            f"--mm-compress-at decode does not support {name}: a shortened row keeps its "
+            "decode positions through M-RoPE's per-request offset, which 1-D RoPE lacks"
         )
     kind = rope_type(config)
     if kind not in LINEAR_ROPE_TYPES:

@@ -56,3 +56,22 @@ def doc_qa_traces(
         paths[f"round-{r}"] = out_dir / f"doc_qa-{num_images}img-round{r}.jsonl"
         write_trace(requests, paths[f"round-{r}"], max_tokens)
     return paths
+
+
+def no_reuse_traces(
+    out_dir: Path,
+    num_images: int,
+    num_requests: int,
+    rounds: int,
+    image_size: int = 448,
+    max_tokens: int = 8,
+    seed: int = 0,
+) -> dict[str, Path]:
+    """The control: per round, requests whose every image is new to the server
+    (nothing reusable by anyone). Returns ``{"round-0": path, ...}``."""
+    paths = {}
+    for r in range(rounds):
+        requests = wl.no_reuse(num_requests, num_images, image_size, seed + 1000 * r)
+        paths[f"round-{r}"] = out_dir / f"no_reuse-{num_images}img-round{r}.jsonl"
+        write_trace(requests, paths[f"round-{r}"], max_tokens)
+    return paths

@@ -1,0 +1,201 @@
+"""Every architecture of the support table through real servers, one server at a time.
+
+Per architecture (a tiny random-weight checkpoint of the real Hugging Face format):
+stock ``sglang.launch_server``, then sgl_mmkv ``exact`` and ``conduit`` at budget
+1.0. ``exact`` must equal stock (text, tokens, top logprobs, cached tokens). At
+budget 1.0 every reused image token is recomputed, so a request served from
+segments must equal its full prefill, in each reuse scenario: a changed system
+prompt, reordered images, and a second chat turn. The tolerance is tight: on
+Qwen3-VL a refresh pass that dropped DeepStack's features moved the first token's
+top logprobs by 4e-3 to 7e-3 with the text unchanged.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+from sgl_mmkv.testing.images import make_image, user_message
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    REPORT_REUSE,
+    ServerProcess,
+    flush_cache,
+    mmkv_stats,
+)
+
+# architecture -> the conftest fixture building its tiny checkpoint
+ARCHITECTURES = {
+    "qwen2_vl": "tiny_vlm",
+    "qwen2_5_vl": "tiny_qwen25_vl",
+    "qwen3_vl": "tiny_qwen3_vl",
+}
+LOGPROB_TOL = 1e-3
+A, B, C = make_image(31), make_image(32), make_image(33)
+SYSTEM = {"role": "system", "content": "You answer in few words."}
+# One sequence for the parity runs, so radix hits are compared too.
+SEQUENCE: list[tuple[str, list[dict]]] = [
+    ("one-image", [user_message("What is in the image?", [A])]),
+    ("one-image-repeat", [user_message("What is in the image?", [A])]),
+    ("multi-image", [user_message("Compare the images.", [A, B, C])]),
+    ("multi-image-new-system", [SYSTEM, user_message("Compare the images.", [A, B, C])]),
+]
+IMAGES = [make_image(100 + i) for i in range(3)]
+
+
+def _probe(system: str, images: list) -> list[dict]:
+    return [{"role": "system", "content": system}, user_message("Describe the images.", images)]
+
+
+def _turns(system: str, second_turn: bool) -> list[dict]:
+    messages = [{"role": "system", "content": system}, user_message("What is this?", IMAGES[:1])]
+    if second_turn:
+        messages += [
+            {"role": "assistant", "content": "A picture."},
+            user_message("And this one, next to the first?", IMAGES[1:2]),
+        ]
+    return messages
+
+
+# scenario -> (context that stores the images, probe that reuses them, images reused)
+SCENARIOS = {
+    "changed_prefix_1": (
+        _probe("You are helpful.", IMAGES[:1]),
+        _probe("One word.", IMAGES[:1]),
+        1,
+    ),
+    "changed_prefix_3": (_probe("You are helpful.", IMAGES), _probe("One word.", IMAGES), 3),
+    "reordered_3": (_probe("You are helpful.", IMAGES), _probe("One word.", IMAGES[::-1]), 3),
+    "multi_turn": (_turns("Time 09:01.", False), _turns("Time 09:02.", True), 1),
+}
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int = 8) -> dict:
+    r = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    content = r.choices[0].logprobs.content
+    return {
+        "text": r.choices[0].message.content,
+        "prompt_tokens": r.usage.prompt_tokens,
+        "cached_tokens": r.usage.prompt_tokens_details.cached_tokens,
+        "image_tokens": r.usage.prompt_tokens_details.image_tokens or 0,
+        "tokens": [t.token for t in content],
+        "top": {t.token: t.logprob for t in content[0].top_logprobs},
+    }
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _serve(module: str, model, extra: list[str], log) -> ServerProcess:
+    return ServerProcess(module, model, [*CPU_SERVER_ARGS, *extra], log_path=log)
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def arch(request, tmp_path_factory):
+    """``(name, checkpoint, log dir)`` of one architecture."""
+    model = request.getfixturevalue(ARCHITECTURES[request.param])
+    return request.param, model, tmp_path_factory.mktemp(f"{request.param}_logs")
+
+
+@pytest.fixture(scope="module")
+def stock(arch) -> dict:
+    """Stock SGLang: the parity sequence, then each scenario's probe alone."""
+    name, model, logs = arch
+    with _serve("sglang.launch_server", model, [], logs / "stock.log") as server:
+        client = _client(server)
+        sequence = [_chat(client, messages) for _, messages in SEQUENCE]
+        probes = {}
+        for scenario, (_, probe, _) in SCENARIOS.items():
+            flush_cache(server.base_url)
+            probes[scenario] = _chat(client, probe)
+    return {"sequence": sequence, "probes": probes}
+
+
+@pytest.fixture(scope="module")
+def conduit(arch):
+    _, model, logs = arch
+    args = ["--mm-reuse", "conduit", "--mm-refresh-budget", "1.0", "--mm-reuse-gate", "always"]
+    with _serve("sgl_mmkv.launch_server", model, [*args, REPORT_REUSE], logs / "conduit.log") as s:
+        yield s
+
+
+def _tokens_per_image(stock: dict) -> int:
+    return dict(zip((n for n, _ in SEQUENCE), stock["sequence"], strict=True))["one-image"][
+        "image_tokens"
+    ]
+
+
+def test_stock_serves_the_architecture_on_the_cpu(stock):
+    by_name = dict(zip((name for name, _ in SEQUENCE), stock["sequence"], strict=True))
+    per_image = _tokens_per_image(stock)
+    assert per_image > 0
+    assert by_name["multi-image"]["image_tokens"] == 3 * per_image
+    repeat = by_name["one-image-repeat"]
+    assert repeat["cached_tokens"] == repeat["prompt_tokens"] - 1
+    assert all(len(r["tokens"]) == 8 for r in stock["sequence"])
+
+
+def test_exact_equals_stock(stock, arch):
+    _, model, logs = arch
+    with _serve("sgl_mmkv.launch_server", model, ["--mm-reuse", "exact"], logs / "exact.log") as s:
+        ours = [_chat(_client(s), messages) for _, messages in SEQUENCE]
+    for (name, _), want, got in zip(SEQUENCE, stock["sequence"], ours, strict=True):
+        assert got == want, name
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_budget_one_reproduces_full_prefill(stock, conduit, scenario):
+    context, probe, reused_images = SCENARIOS[scenario]
+    client = _client(conduit)
+    flush_cache(conduit.base_url)
+    cold = _chat(client, probe)
+    assert cold == stock["probes"][scenario]  # nothing stored: SGLang's own extend
+    flush_cache(conduit.base_url)
+    _chat(client, context)
+    before = mmkv_stats(conduit.base_url)
+    warm = _chat(client, probe)
+    after = mmkv_stats(conduit.base_url)
+    assert warm["text"] == cold["text"] and warm["tokens"] == cold["tokens"]
+    shared = set(warm["top"]) & set(cold["top"])
+    assert len(shared) >= 4
+    assert max(abs(warm["top"][t] - cold["top"][t]) for t in shared) < LOGPROB_TOL
+    reused = reused_images * _tokens_per_image(stock)
+    assert after["store"]["hits"] - before["store"]["hits"] == reused_images
+    assert after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"] == reused
+    assert after["refresh"]["refreshed_tokens"] - before["refresh"]["refreshed_tokens"] == reused
+
+
+def test_meta_info_reports_the_segment_hit_of_a_changed_system_prompt(stock, conduit):
+    flush_cache(conduit.base_url)
+
+    def meta(system: str) -> dict:
+        body = {
+            "model": "default",
+            "messages": _probe(system, [make_image(300)]),
+            "max_tokens": 2,
+            "temperature": 0,
+            "return_meta_info": True,
+        }
+        r = requests.post(conduit.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["meta_info"]
+
+    first, second = meta("One."), meta("Two, a longer system prompt.")
+    per_image = _tokens_per_image(stock)
+    assert first["sgl_mmkv"][0]["reused_tokens"] == 0
+    assert second["sgl_mmkv"][0] == {
+        "method": "conduit",
+        "reused_segments": 1,
+        "reused_tokens": per_image,
+        "refreshed_tokens": per_image,
+        "recomputed_tokens": second["prompt_tokens"] - second["cached_tokens"],
+    }
