@@ -22,6 +22,7 @@ SGLANG_VERSION = "0.5.23"
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
+    "LlavaForConditionalGeneration": "LLaVA, HF format (1-D RoPE)",
 }
 UNSCALED_ROPE_TYPES = (None, "default", "mrope")
 # Rotary variants whose angle is linear in position, so a rotation by the position
