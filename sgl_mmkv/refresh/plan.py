@@ -100,7 +100,7 @@ def item_span(item) -> tuple[int, int] | None:
     offsets = sorted((int(s), int(e)) for s, e in item.offsets or [])
     if not offsets or item.hash is None:
         return None
-    if any(s <= prev_end for (_, prev_end), (s, _) in zip(offsets, offsets[1:])):
+    if any(s <= e for (_, e), (s, _) in zip(offsets, offsets[1:], strict=False)):
         return None  # overlapping runs: not one image's layout
     return offsets[0][0], offsets[-1][1] + 1
 
