@@ -82,8 +82,9 @@ def _chat(base_url: str, system: str, seeds: list[int], meta: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_llava, tmp_path_factory) -> dict[str, dict]:
-    """``{server: {(image set, turn): result}}``, one server at a time."""
+def runs(tiny_llava, tmp_path_factory) -> dict:
+    """``{server: {(image set, turn): result}}``, one server at a time, and the
+    conduit server's ``/flush_cache`` response."""
     logs = tmp_path_factory.mktemp("llava_logs")
     out = {}
     for name, (module, extra) in SERVERS.items():
@@ -94,6 +95,8 @@ def runs(tiny_llava, tmp_path_factory) -> dict[str, dict]:
                 for images, seeds in IMAGE_SETS.items()
                 for turn, system in zip(("first", "probe"), SYSTEMS, strict=True)
             }
+            if name == "conduit":
+                out["conduit_flush"] = requests.post(proc.base_url + "/flush_cache", timeout=60)
     return out
 
 
@@ -121,6 +124,12 @@ def test_conduit_budget_one_reproduces_stock(runs):
         assert len(shared) >= 4, key
         for token in shared:
             assert abs(conduit["top"][token] - result["top"][token]) < LOGPROB_TOL, (key, token)
+
+
+def test_flush_cache_answers_200_with_refresh(runs):
+    # Stock SGLang 0.5.23 answers 500 here for LlavaForConditionalGeneration
+    # (patches/mm_processor_flush.py).
+    assert runs["conduit_flush"].status_code == 200, runs["conduit_flush"].text
 
 
 def test_changed_system_prompt_gets_segment_hits(runs):
