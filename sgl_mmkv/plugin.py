@@ -47,6 +47,7 @@ def _patches_for(config) -> list:
         modules += [
             patches.eager_runner_execute_extend,
             patches.mm_embed_routine,
+            patches.mm_processor_flush,
             patches.tokenizer_caller_hashes,
         ]
     if config.compresses_at_decode:

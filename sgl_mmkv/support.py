@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL (interleaved M-RoPE, DeepStack)",
+    "LlavaForConditionalGeneration": "LLaVA, HF format (1-D RoPE)",
 }
 # Of those, the ones with M-RoPE: decode-time compression shortens a request's row
 # and moves its decode positions by M-RoPE's per-request offset, which 1-D RoPE lacks.

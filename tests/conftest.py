@@ -50,5 +50,12 @@ def tiny_qwen3_vl(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava(model_dir) -> Path:
+    """Tiny HF-format LLaVA (Pixtral vision, Qwen2 text, 1-D RoPE). A name that matches
+    none of SGLang's chat-template rules, so the checkpoint's own template is used."""
+    return _build(model_dir, "llava", "tiny-hf-lv")
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(model_dir) -> Path:
     return _build(model_dir, "qwen2", "tiny-qwen2")

@@ -9,6 +9,7 @@ from sgl_mmkv.patches import (  # noqa: E402
     batch_result_processor_prefill,
     eager_runner_execute_extend,
     mm_embed_routine,
+    mm_processor_flush,
     scheduler_internal_state,
     tokenizer_caller_hashes,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "batch_result_processor_prefill",
     "eager_runner_execute_extend",
     "mm_embed_routine",
+    "mm_processor_flush",
     "scheduler_internal_state",
     "tokenizer_caller_hashes",
 ]

@@ -1,4 +1,4 @@
-"""Build tiny random-weight Qwen2 / Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints offline.
+"""Build tiny random-weight Qwen2 / Qwen2-VL / Qwen2.5-VL / Qwen3-VL / LLaVA checkpoints offline.
 
     python -m sgl_mmkv.testing.make_tiny_model --arch qwen2_vl --out DIR [--seed N]
 
@@ -20,7 +20,10 @@ import torch
 
 from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
-ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# HF-format LLaVA (Pixtral vision, Qwen2 text, 1-D RoPE): built by testing/tiny_llava.py.
+LLAVA_ARCH = "llava"
+ARCHS = (*QWEN_ARCHS, LLAVA_ARCH)
 # Qwen3-VL cuts 16-pixel patches (Qwen2-VL and Qwen2.5-VL: 14).
 PATCH_SIZE = {"qwen3_vl": 16}
 
@@ -261,7 +264,7 @@ def _patch_config_json(path: Path, arch: str, spec: TinyModelSpec) -> None:
 
 def build_untrained(arch: str, spec: TinyModelSpec, seed: int):
     """A random-weight model of ``arch`` and its freshly trained tokenizer."""
-    if arch not in ARCHS:
+    if arch not in QWEN_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     tokenizer = build_tokenizer(seed, vocab_size=spec.vocab_size)
     if len(tokenizer) > spec.vocab_size:
@@ -289,6 +292,10 @@ def make_tiny_model(
 ) -> Path:
     """Write a tiny random-weight checkpoint of ``arch`` to ``out`` and return its path."""
     spec = spec or TinyModelSpec()
+    if arch == LLAVA_ARCH:
+        from sgl_mmkv.testing.tiny_llava import build_llava_untrained, save_llava_checkpoint
+
+        return save_llava_checkpoint(*build_llava_untrained(spec, seed), out)
     model, tokenizer = build_untrained(arch, spec, seed)
     return save_checkpoint(model, tokenizer, arch, spec, out)
 
