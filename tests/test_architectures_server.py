@@ -96,15 +96,18 @@ def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int = 8) -> d
     }
 
 
-def _flush_stock(base_url: str) -> None:
+def _flush_stock(base_url: str, arch_name: str) -> None:
     """``flush_cache`` for a stock server. Stock SGLang 0.5.23 flushes HF LLaVA's caches
     and then answers 500 (its processor wrapper lacks ``mm_preprocess_cache``; the
     refresh modes patch it: ``patches/mm_processor_flush.py``)."""
+    if arch_name != "llava":
+        flush_cache(base_url)
+        return
     for _ in range(300):
         r = requests.post(base_url + "/flush_cache", timeout=60)
-        if r.status_code == 200 or (r.status_code == 500 and "mm_preprocess_cache" in r.text):
+        if r.status_code in (200, 500):
             return
-        time.sleep(0.2)
+        time.sleep(0.2)  # 400: a finished request is still being retired
     raise RuntimeError(f"/flush_cache failed: {r.status_code} {r.text}")
 
 
@@ -132,7 +135,7 @@ def stock(arch) -> dict:
         sequence = [_chat(client, messages) for _, messages in SEQUENCE]
         probes = {}
         for scenario, (_, probe, _) in SCENARIOS.items():
-            _flush_stock(server.base_url)
+            _flush_stock(server.base_url, name)
             probes[scenario] = _chat(client, probe)
     return {"sequence": sequence, "probes": probes}
 

@@ -129,3 +129,29 @@ def test_other_rotary_scalings_are_refused_in_one_line(tmp_path, kind, field):
     line = str(refused.value)
     assert "\n" not in line and f"{kind} rotary scaling" in line
     assert "supported scalings: linear, dynamic, yarn, llama3" in line
+
+
+def _model_of_class(tmp_path, name: str) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [name]}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, refused",
+    [
+        ("Qwen2VLForConditionalGeneration", False),
+        ("Qwen2_5_VLForConditionalGeneration", False),
+        ("Qwen3VLForConditionalGeneration", False),
+        ("LlavaForConditionalGeneration", True),
+    ],
+)
+def test_decode_time_compression_is_refused_before_start_without_mrope(tmp_path, name, refused):
+    path = _model_of_class(tmp_path, name)
+    check_model("--mm-reuse conduit", path)  # every supported class reuses
+    if not refused:
+        check_model("--mm-reuse conduit", path, compresses_at_decode=True)
+        return
+    with pytest.raises(ConfigError) as refusal:
+        check_model("--mm-reuse conduit", path, compresses_at_decode=True)
+    assert str(refusal.value).startswith(f"--mm-compress-at decode does not support {name}")
+    assert "\n" not in str(refusal.value)
