@@ -78,6 +78,10 @@ def planned_runs(args: argparse.Namespace, traces: dict[str, Path], r: int) -> l
         for k in args.images
     ]
     runs += [
+        ClientRun(f"no_reuse-{k}img", 1, args.num_prompts, traces[f"new-{k}-round-{r}"])
+        for k in args.no_reuse_images
+    ]
+    runs += [
         ClientRun(
             "text", c, max(args.text_prompts, c), None, args.text_input_len, args.text_output_len
         )
