@@ -22,7 +22,6 @@ import argparse
 import json
 import platform
 import shlex
-import signal
 import statistics
 import sys
 from pathlib import Path
@@ -31,15 +30,13 @@ import torch
 
 from sgl_mmkv.benchmarking.servers import (
     STOCK,
-    bench_model,
     build_side,
     command_lines,
     compare_settings,
-    shared_server_args,
+    prepare_bench,
 )
 from sgl_mmkv.benchmarking.sglang_client import ClientRun, client_command, run_client
 from sgl_mmkv.benchmarking.traces import doc_qa_traces, no_reuse_traces
-from sgl_mmkv.cpu_support import prepare_cpu_process
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput", "mean_tpot_ms")
 
@@ -156,12 +153,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        prepare_cpu_process()
-    model = args.model_path or bench_model()
-    shared = shared_server_args(args.server_args, cuda)
+    model, shared, cuda = prepare_bench(args.model_path, args.server_args)
     modes = [m for m in args.modes.split(",") if m]
     traces: dict[str, Path] = {}
     for k in args.images:

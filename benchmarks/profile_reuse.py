@@ -20,7 +20,6 @@ import argparse
 import json
 import platform
 import shlex
-import signal
 import statistics
 import sys
 import time
@@ -33,12 +32,10 @@ from sgl_mmkv.benchmarking import workloads as wl
 from sgl_mmkv.benchmarking.client import run_requests
 from sgl_mmkv.benchmarking.servers import (
     STOCK,
-    bench_model,
     build_side,
     command_lines,
-    shared_server_args,
+    prepare_bench,
 )
-from sgl_mmkv.cpu_support import prepare_cpu_process
 
 EXECUTOR_PHASES = ("plan", "copy", "embedding", "scoring", "refresh", "ranking", "fill")
 
@@ -150,12 +147,7 @@ def format_table(means: dict[str, dict[int, dict[str, float]]], images: tuple[in
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        prepare_cpu_process()
-    model = args.model_path or bench_model()
-    shared = shared_server_args(args.server_args, cuda)
+    model, shared, cuda = prepare_bench(args.model_path, args.server_args)
     results = {name: profile_side(name, args, model, shared) for name in (STOCK, args.mode)}
     means = {
         name: {

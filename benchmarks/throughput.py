@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import signal
 import sys
 from pathlib import Path
 
@@ -41,10 +40,9 @@ from sgl_mmkv.benchmarking.report import (
     write_outputs,
 )
 from sgl_mmkv.benchmarking.runner import BenchConfig, run_benchmark
-from sgl_mmkv.benchmarking.servers import bench_model, command_lines, shared_server_args
+from sgl_mmkv.benchmarking.servers import command_lines, prepare_bench
 from sgl_mmkv.benchmarking.workloads import WORKLOADS
 from sgl_mmkv.config import DEFAULT_KV_BUDGET, EVICTION_POLICIES, REUSE_MODES
-from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.refresh.flops import DecoderShape
 
 
@@ -102,13 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so every server this run started is stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        prepare_cpu_process()
-    model = args.model_path or bench_model()
-    shared = shared_server_args(args.server_args, cuda)
+    model, shared, cuda = prepare_bench(args.model_path, args.server_args)
     commands = command_lines(model, args.modes, shared, args.mm_refresh_budget, args.mm_kv_budget)
     config = BenchConfig(
         workloads=tuple(w for w in args.workloads.split(",") if w),

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import requests
+import torch
 
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
+from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
 
@@ -139,6 +143,19 @@ def bench_model(path: Path = DEFAULT_BENCH_MODEL) -> Path:
     if not (path / "config.json").exists():
         make_tiny_model("qwen2_vl", path, seed=0, spec=BENCH_SPEC)
     return path
+
+
+def prepare_bench(model_path: Path | None, server_args: str | None) -> tuple[Path, list[str], bool]:
+    """The common start of a benchmark script: SIGTERM unwinds like Ctrl-C (so every
+    server the run started is stopped), the CPU environment when there is no GPU.
+
+    Returns ``(model, shared server arguments, cuda)``: ``model_path`` or the bench
+    model, ``server_args`` split or the CPU / GPU set."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        prepare_cpu_process()
+    return model_path or bench_model(), shared_server_args(server_args, cuda), cuda
 
 
 def shared_server_args(server_args: str | None, cuda: bool) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS, build_tokenizer, chatml_template
 
 IMAGE_TOKENS: tuple[str, str, str] = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 PATCH_SIZE = 16
@@ -25,20 +25,7 @@ IMAGE_EDGE = 112
 
 # ChatML turns (the Qwen2 text model's convention) with one [IMG] per image part;
 # the processor expands it to the image's rows.
-LLAVA_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}[IMG]"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+LLAVA_CHAT_TEMPLATE = chatml_template("[IMG]")
 
 
 def llava_tokenizer(seed: int, vocab_size: int):

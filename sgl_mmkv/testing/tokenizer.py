@@ -18,23 +18,30 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|video_pad|>",
 )
 
-# Qwen2-VL's chat convention: a default system turn, one
-# <|vision_start|><|image_pad|><|vision_end|> per image part, ChatML turns.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+def chatml_template(image: str, video: str = "") -> str:
+    """ChatML turns with a default system turn; each image part becomes ``image`` (each
+    video part ``video``, if given). Qwen2-VL's convention with its vision markers."""
+    video_part = f"{{% elif part['type'] == 'video' %}}{video}" if video else ""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'image' or part['type'] == 'image_url' %}}{image}"
+        f"{video_part}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = chatml_template(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
 )
 
 _WORDS = (
