@@ -92,6 +92,7 @@ def run_client(
         tail = (done.stdout + done.stderr)[-1500:]
         raise RuntimeError(f"{CLIENT_MODULE} exited {done.returncode} ({log}):\n{tail}")
     record = json.loads(output_file.read_text().strip().splitlines()[-1])
+    record.pop("server_info", None)  # 40 kB per run; settings are compared from the servers
     if record.get("completed") != run.num_prompts:
         raise RuntimeError(
             f"{CLIENT_MODULE}: {record.get('completed')} of {run.num_prompts} requests completed"
