@@ -80,7 +80,6 @@ def executor_phases(before: dict, after: dict) -> dict[str, float]:
         p: 1e3 * (after.get(f"{p}_seconds", 0.0) - before.get(f"{p}_seconds", 0.0))
         for p in EXECUTOR_PHASES
     }
-    phases["scoring"] -= phases["embedding"]  # the embedding is built inside the first pass
     full = after.get("full_prefill_flops", 0) - before.get("full_prefill_flops", 0)
     done = after.get("executed_flops", 0) - before.get("executed_flops", 0)
     phases["flops_fraction"] = done / full if full else 1.0

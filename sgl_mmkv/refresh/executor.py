@@ -76,7 +76,7 @@ class RefreshCounters(Counters):
     seconds: float = 0.0
     ranking_seconds: float = 0.0
     # wall time by phase of refresh forwards (host clock: on CUDA without a
-    # synchronize they time the launches); embedding runs inside the first pass
+    # synchronize they time the launches); embedding build is its own phase
     plan_seconds: float = 0.0
     copy_seconds: float = 0.0
     embedding_seconds: float = 0.0
@@ -161,19 +161,24 @@ class RefreshExecutor:
             self._stock_out, self._embeddings = None, None
 
     @contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        """Add the block's wall time to counter ``{name}_seconds``."""
+    def _phase(self, name: str, embeddings: EmbeddingPass | None = None) -> Iterator[None]:
+        """Add the block's wall time to counter ``{name}_seconds``, less the time it
+        spent building ``embeddings`` (counted in ``embedding_seconds`` instead)."""
         started = time.perf_counter()
+        embedded = embeddings.seconds if embeddings is not None else 0.0
         try:
             yield
         finally:
+            elapsed = time.perf_counter() - started
+            if embeddings is not None:
+                built = embeddings.seconds - embedded
+                elapsed -= built
+                self.counters.embedding_seconds += built
             field = f"{name}_seconds"
-            setattr(
-                self.counters, field, getattr(self.counters, field) + time.perf_counter() - started
-            )
+            setattr(self.counters, field, getattr(self.counters, field) + elapsed)
 
     def _execute(self, run_extend: Callable, model_runner, forward_batch):
-        started = time.perf_counter()
+        planning = time.perf_counter()
         plans = plan_batch(self.store, forward_batch)
         fault_point("plan")
         self._drop_unsupported(forward_batch, plans)
@@ -193,7 +198,8 @@ class RefreshExecutor:
             )
             self._report(forward_batch, plans, None, out, 0.0)
             return out
-        self.counters.plan_seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        self.counters.plan_seconds += started - planning
         with self._phase("copy"):
             self._copy_segments(model_runner, forward_batch, plans)
         fault_point("copy")
@@ -202,7 +208,7 @@ class RefreshExecutor:
             full_batch=forward_batch, stock_backend=model_runner.attn_backend
         )
         self._embeddings = embeddings
-        with self._phase("scoring"):
+        with self._phase("scoring", embeddings):
             selected = self._select(
                 run_extend, model_runner, forward_batch, plans, fresh, embeddings
             )
@@ -219,15 +225,14 @@ class RefreshExecutor:
             skip = unchanged_prefix(plan, chosen, self.scorer.needs_fresh_kv) if computed else 0
             active.append(refresh_rows(plan, mask, chosen, computed, skip))
         observer = self.ranker.observer_for(plans, active) if self.ranker is not None else None
-        with self._phase("refresh"):
+        with self._phase("refresh", embeddings):
             out = self._run_pass(
                 run_extend, model_runner, forward_batch, active, embeddings, observer=observer
             )
         fault_point("refresh")
-        self.counters.embedding_seconds += embeddings.seconds
         rankings = self._rank(observer, model_runner, forward_batch, plans, active)
         fault_point("ranking")
-        with self._phase("fill"):
+        with self._phase("fill", embeddings):
             self.filler.fill(
                 self._pass_runner(run_extend),
                 model_runner,
