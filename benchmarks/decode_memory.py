@@ -104,7 +104,7 @@ def run_side(name: str, flags: list[str], args, prompts: list[list[dict]]) -> di
         "seconds": round(seconds, 2),
         "output_tokens_per_s": round(tokens / seconds, 1),
         "mean_latency_s": round(sum(t for _, t in replies) / len(replies), 3),
-        "decode_compression": stats.get("decode_compression"),
+        "row_compaction": stats.get("row_compaction"),
         "final_pool": stats["pool"],
     }
 
@@ -116,7 +116,7 @@ def format_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        freed = (r["decode_compression"] or {}).get("freed_tokens", 0)
+        freed = (r["row_compaction"] or {}).get("freed_tokens", 0)
         lines.append(
             f"| {r['side']} | {r['served']} / {r['requests']} | {r['peak_running_slots']} "
             f"| {r['mean_running_slots']:.0f} | {freed} | {r['output_tokens_per_s']} "

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     records[label], stats = measure_on(
                         server, label, layout, examples, [COLD], references
                     )
-                    decode_counters[label] = stats["decode_compression"]
+                    decode_counters[label] = stats["row_compaction"]
                     print(f"[fidelity] {label}: {decode_counters[label]}", flush=True)
                     summaries += summarise(f"decode:{evict}", records[label], kv_budget)
 

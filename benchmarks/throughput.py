@@ -98,6 +98,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def tokens_per_image(model_config: dict, image_size: int) -> int | None:
+    """Placeholder tokens of a square ``image_size`` image for a Qwen2-VL-family
+    config (patches merged ``spatial_merge_size`` x ``spatial_merge_size``); None for
+    other configs."""
+    vision = model_config.get("vision_config") or {}
+    patch, merge = vision.get("patch_size"), vision.get("spatial_merge_size")
+    if not patch or not merge:
+        return None
+    side = max(1, round(image_size / (patch * merge)))
+    return side * side
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model, shared, cuda = prepare_bench(args.model_path, args.server_args)
@@ -123,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         args.mm_refresh_budget,
         kv_budget=args.mm_kv_budget,
     )
-    shape = DecoderShape.from_config(json.loads((model / "config.json").read_text()))
-    rows = summarise(run, shape)
+    model_config = json.loads((model / "config.json").read_text())
+    shape = DecoderShape.from_config(model_config)
+    rows = summarise(run, shape, tokens_per_image(model_config, args.image_size))
     meta = {
         "command": "python benchmarks/throughput.py "
         + " ".join(sys.argv[1:] if argv is None else argv),

@@ -49,6 +49,13 @@ COMPRESS_TRIGGERS: dict[str, str] = {
     "decoding (M-RoPE models; the request is not inserted into the radix tree)",
 }
 DEFAULT_COMPRESS_AT = "pressure"
+# --mm-compressed-reuse: what a reused compressed segment does with its dropped tokens.
+COMPRESSED_REUSE: dict[str, str] = {
+    "holes": "leave them out: neither computed nor attended (M-RoPE models; the row "
+    "is kept out of the radix tree)",
+    "recompute": "compute them fresh like text (any model)",
+}
+DEFAULT_COMPRESSED_REUSE = "holes"
 # --mm-reuse-gate: whether a matched image is reused when reuse costs more.
 REUSE_GATES: dict[str, str] = {
     "cost": "serve a request as stock does when its reuse would compute more FLOPs "
@@ -97,6 +104,7 @@ class MMKVConfig:
         mm_kv_budget: fraction of a segment's visual tokens kept when compressing,
             in (0, 1].
         mm_compress_at: one of :data:`COMPRESS_TRIGGERS`.
+        mm_compressed_reuse: one of :data:`COMPRESSED_REUSE`.
         mm_reuse_gate: one of :data:`REUSE_GATES`.
         mm_report_reuse: whether reuse facts reach callers (per-request meta info,
             ``/get_server_info``); off by default, since they reveal other clients' images.
@@ -120,6 +128,11 @@ class MMKVConfig:
     )
     mm_compress_at: str = _flag(
         DEFAULT_COMPRESS_AT, "when a scored segment is compressed", COMPRESS_TRIGGERS
+    )
+    mm_compressed_reuse: str = _flag(
+        DEFAULT_COMPRESSED_REUSE,
+        "what a reused compressed segment does with its dropped tokens",
+        COMPRESSED_REUSE,
     )
     mm_reuse_gate: str = _flag(
         DEFAULT_REUSE_GATE,
@@ -162,17 +175,21 @@ class MMKVConfig:
         if not (_is_real(budget) and 0.0 < budget <= 1.0):
             raise ConfigError(f"--mm-kv-budget must be in (0, 1], got {budget!r}")
         _require_choice("--mm-compress-at", self.mm_compress_at, COMPRESS_TRIGGERS)
+        _require_choice("--mm-compressed-reuse", self.mm_compressed_reuse, COMPRESSED_REUSE)
         if self.uses_scored_eviction and not self.uses_refresh:
             raise ConfigError(
                 f"--mm-evict {self.mm_evict} compresses segments of the segment store and "
                 f"needs a refresh mode of --mm-reuse, not {self.mm_reuse}"
             )
         changed = (
-            self.mm_kv_budget != DEFAULT_KV_BUDGET or self.mm_compress_at != DEFAULT_COMPRESS_AT
+            self.mm_kv_budget != DEFAULT_KV_BUDGET
+            or self.mm_compress_at != DEFAULT_COMPRESS_AT
+            or self.mm_compressed_reuse != DEFAULT_COMPRESSED_REUSE
         )
         if changed and not self.uses_scored_eviction:
             raise ConfigError(
-                "--mm-kv-budget and --mm-compress-at need a scored --mm-evict "
+                "--mm-kv-budget, --mm-compress-at and --mm-compressed-reuse need a scored "
+                "--mm-evict "
                 f"({', '.join(p for p in EVICTION_POLICIES if p != DEFAULT_EVICTION)})"
             )
 
@@ -185,6 +202,11 @@ class MMKVConfig:
     def compresses_at_decode(self) -> bool:
         """Whether running requests' rows shrink after prefill (``--mm-compress-at decode``)."""
         return self.uses_scored_eviction and self.mm_compress_at == "decode"
+
+    @property
+    def reuses_with_holes(self) -> bool:
+        """Whether reused compressed segments leave holes (rows shrink after prefill)."""
+        return self.uses_scored_eviction and self.mm_compressed_reuse == "holes"
 
     @property
     def uses_mmkv_cache(self) -> bool:

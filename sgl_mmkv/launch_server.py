@@ -119,11 +119,6 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
                 f"--mm-reuse {config.mm_reuse} copies image KV token by token and needs "
                 f"--page-size 1, got --page-size {page_size}"
             )
-        # Decode-time compression plans in the forward and shrinks rows when the
-        # prefill's result is processed; the overlap scheduler runs the next batch
-        # (those rows included) in between, so it is turned off for that mode only.
-        if config.compresses_at_decode and not _has_flag(sglang_argv, "--disable-overlap-schedule"):
-            sglang_argv.append("--disable-overlap-schedule")
     return config, sglang_argv
 
 

@@ -50,8 +50,8 @@ def _patches_for(config) -> list:
             patches.mm_processor_flush,
             patches.tokenizer_caller_hashes,
         ]
-    if config.compresses_at_decode:
-        modules.append(patches.batch_result_processor_prefill)
+    if config.compresses_at_decode or config.reuses_with_holes:
+        modules.append(patches.scheduler_run_batch)
     return modules
 
 

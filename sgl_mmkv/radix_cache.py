@@ -13,7 +13,6 @@ cannot cover an allocation; ``reset`` (``flush_cache``) drops them with the pool
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -54,7 +53,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             )
         self.segment_store: SegmentStore | None = None  # read by reset() in super().__init__
         self.refresh_executor = None
-        self.decode_compressor = None  # read by the prefill-result patch
+        self.row_compactor = None  # read by the run_batch patch
         super().__init__(params)
         self.mmkv_config: MMKVConfig = config
         self.segment_index = SegmentIndex()
@@ -105,10 +104,12 @@ class MMKVRadixCache(UnifiedRadixCache):
             from sgl_mmkv.scoring import make_eviction_scorer
 
             spans_of = ranking.fill_spans
-            if config.compresses_at_decode:
-                from sgl_mmkv.refresh.decode_compression import DecodeCompressor
+            if config.compresses_at_decode or config.reuses_with_holes:
+                from sgl_mmkv.refresh.row_compaction import RowCompactor
 
-                self.decode_compressor = DecodeCompressor(config.mm_kv_budget)
+                decode_budget = config.mm_kv_budget if config.compresses_at_decode else None
+                self.row_compactor = RowCompactor(decode_budget, holes=config.reuses_with_holes)
+            if config.compresses_at_decode:
                 spans_of = ranking.extend_image_spans
             ranker = ranking.VisualRanker(
                 make_eviction_scorer(config.mm_evict), config.mm_kv_budget, spans_of
@@ -121,7 +122,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             gate=config.mm_reuse_gate,
             ranker=ranker,
             compress_on_fill=config.mm_compress_at == "fill",
-            decode_compressor=self.decode_compressor,
+            row_compactor=self.row_compactor,
             report_reuse=config.mm_report_reuse,
             on_forward=self.publish_metrics,
         )
@@ -145,17 +146,21 @@ class MMKVRadixCache(UnifiedRadixCache):
         return self._evict_with_segments(super().evict, params)
 
     def _evict_with_segments(self, stock_evict, params: EvictParams, **kwargs) -> EvictResult:
-        """Compress scored segments (``--mm-evict`` scorer), then stock eviction of
-        tree leaves, then LRU segments for what is still short."""
+        """Stock eviction of tree leaves, then compression of scored segments
+        (``--mm-evict`` scorer), then whole segments by LRU for what is still short.
+
+        The tree goes first: its rows serve exact-prefix repeats only, while a
+        segment serves its image under any prefix (and a leaf holding an image is a
+        second copy of a stored segment)."""
         store = self.segment_store
         if store is None:
             return stock_evict(params, **kwargs)
         allocator = self.token_to_kv_pool_allocator
         target = allocator.available_size() + params.num_tokens
-        compressed = store.compress_for(params.num_tokens)
-        remaining = max(0, target - allocator.available_size())
-        result = stock_evict(dataclasses.replace(params, num_tokens=remaining), **kwargs)
-        result.num_tokens_evicted += compressed
+        result = stock_evict(params, **kwargs)
+        shortfall = target - allocator.available_size()
+        if shortfall > 0:
+            result.num_tokens_evicted += store.compress_for(shortfall)
         shortfall = target - allocator.available_size()
         if shortfall > 0:
             result.num_tokens_evicted += store.evict_lru(shortfall)
@@ -163,9 +168,9 @@ class MMKVRadixCache(UnifiedRadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        if self.decode_compressor is not None:
+        if self.row_compactor is not None:
             try:
-                self.decode_compressor.restore(req)
+                self.row_compactor.restore(req)
             except Exception as error:
                 logger.warning("sgl_mmkv: restoring rid=%s failed (%r)", req.rid, error)
 
@@ -183,8 +188,8 @@ class MMKVRadixCache(UnifiedRadixCache):
         if self.segment_store is not None:
             groups["store"] = self.segment_store.stats()
             groups["refresh"] = self.refresh_executor.counters.as_dict()
-        if self.decode_compressor is not None:
-            groups["decode_compression"] = self.decode_compressor.counters.as_dict()
+        if self.row_compactor is not None:
+            groups["row_compaction"] = self.row_compactor.counters.as_dict()
         return groups
 
     def publish_metrics(self) -> None:

@@ -3,7 +3,10 @@
 - ``--mm-kv-budget 1.0`` (compressing keeps every token) answers exactly as the
   server without scored eviction, while its segments are ranked.
 - A compressed segment (``--mm-compress-at fill``) is reused for its kept tokens
-  only; the rest is recomputed and the request is answered.
+  only; its dropped tokens are holes (``--mm-compressed-reuse holes``, the default:
+  neither computed nor attended, the row shrinks after prefill and stays out of the
+  radix tree) or recomputed (``recompute``). With every freed and hole slot
+  overwritten with NaN the answers are the same and finite: holes are never read.
 - Memory pressure (more distinct images than the pool holds) compresses segments
   before whole ones go; every request is answered and the slot ledger is exact.
 - Decode-time compression (``--mm-compress-at decode``): at budget 1.0 answers equal
@@ -22,6 +25,7 @@ import openai
 import pytest
 import requests
 
+from sgl_mmkv.segments.poison import POISON_ENV
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -63,8 +67,17 @@ def servers(tiny_vlm, tmp_path_factory):
         ),
     }
     configs["snapkv_decode_retracting"] = configs["snapkv_decode"]
+    configs["snapkv_fill_poisoned"] = configs["snapkv_fill"]
+    configs["snapkv_fill_recompute"] = [
+        *configs["snapkv_fill"],
+        "--mm-compressed-reuse",
+        "recompute",
+    ]
     # SGLang's own test switch: every third decode step retracts the running requests.
-    envs = {"snapkv_decode_retracting": {**stock_cpu_env(), "SGLANG_TEST_RETRACT": "1"}}
+    envs = {
+        "snapkv_decode_retracting": {**stock_cpu_env(), "SGLANG_TEST_RETRACT": "1"},
+        "snapkv_fill_poisoned": {**stock_cpu_env(), POISON_ENV: "1"},
+    }
     procs = {
         name: ServerProcess(
             "sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name, env=envs.get(name)
@@ -72,8 +85,9 @@ def servers(tiny_vlm, tmp_path_factory):
         for name, args in configs.items()
     }
     try:
-        # Started side by side: start-up is mostly single-threaded imports and loading.
-        with ThreadPoolExecutor(len(procs)) as pool:
+        # Started three at a time: start-up is mostly single-threaded imports and
+        # loading, and SGLang sizes each KV pool from the memory free while it loads.
+        with ThreadPoolExecutor(3) as pool:
             for started in [pool.submit(p.start, 400.0) for p in procs.values()]:
                 started.result()
         yield procs
@@ -146,8 +160,53 @@ def test_a_compressed_segment_is_reused_for_its_kept_tokens(servers):
     assert text
     assert _delta(after, filled, "store", "hits") == 2
     assert _delta(after, filled, "refresh", "reused_tokens") == 2 * kept
+    holes = 2 * (TOKENS_PER_IMAGE - kept)
+    assert _delta(after, filled, "refresh", "hole_tokens") == holes
+    assert _delta(after, filled, "row_compaction", "holed_requests") == 1
+    assert _delta(after, filled, "row_compaction", "hole_tokens") == holes
+    assert after["pool"]["tree"] == filled["pool"]["tree"]  # the holed row stays out
     ledger = after["pool"]
     assert ledger["free_unique"] and ledger["in_use"] == 0
+
+
+def _fill_then_reuse(server, seed: int, max_tokens: int = 6):
+    images = [make_image(seed), make_image(seed + 1)]
+    _chat(server, "You are a helpful assistant.", images)
+    before = _stats(server)
+    reply = _completion(server, "Answer in one word.", images[::-1], max_tokens, ignore_eos=True)
+    return reply, before, _stats(server)
+
+
+def test_holes_are_never_read_poisoned_slots_leave_the_answers_finite_and_equal(servers):
+    """Every slot the store frees and every hole of a reused row holds NaN on the
+    poisoned server; any read of one would spread NaN into the logprobs."""
+    plain, _, _ = _fill_then_reuse(servers["snapkv_fill"], 420, max_tokens=8)
+    poisoned, before, after = _fill_then_reuse(servers["snapkv_fill_poisoned"], 420, 8)
+    assert _delta(after, before, "row_compaction", "hole_tokens") > 0
+    got_tokens = poisoned.choices[0].logprobs.content
+    want_tokens = plain.choices[0].logprobs.content
+    assert [t.token for t in got_tokens] == [t.token for t in want_tokens]
+    for got, want in zip(got_tokens, want_tokens, strict=True):
+        assert math.isfinite(got.logprob)
+        assert abs(got.logprob - want.logprob) < 1e-4
+    ledger = after["pool"]
+    assert ledger["free_unique"] and ledger["in_use"] == 0
+
+
+def test_recompute_computes_the_dropped_tokens_instead_of_leaving_holes(servers):
+    _, before, after = _fill_then_reuse(servers["snapkv_fill_recompute"], 440)
+    kept = math.ceil(0.5 * TOKENS_PER_IMAGE)
+    assert _delta(after, before, "refresh", "reused_tokens") == 2 * kept
+    assert _delta(after, before, "refresh", "hole_tokens") == 0
+    assert "row_compaction" not in after
+    _, holed_before, holed_after = _fill_then_reuse(servers["snapkv_fill"], 440)
+
+    def computed_fresh(after, before):  # recomputed tokens less the refreshed reused ones
+        recomputed = _delta(after, before, "refresh", "recomputed_tokens")
+        return recomputed - _delta(after, before, "refresh", "refreshed_tokens")
+
+    dropped = 2 * (TOKENS_PER_IMAGE - kept)
+    assert computed_fresh(after, before) - computed_fresh(holed_after, holed_before) == dropped
 
 
 def test_memory_pressure_compresses_before_evicting_and_answers_everything(servers):
@@ -187,7 +246,7 @@ def test_decode_compression_at_budget_one_answers_as_the_uncompressed_server(ser
         for name in ("lru", "snapkv_decode_full")
     }
     assert replies["snapkv_decode_full"] == replies["lru"]
-    counters = _stats(servers["snapkv_decode_full"])["decode_compression"]
+    counters = _stats(servers["snapkv_decode_full"])["row_compaction"]
     assert counters["compressed_requests"] == 0 and counters["freed_tokens"] == 0
 
 
@@ -205,8 +264,8 @@ def test_decode_compression_frees_the_dropped_tokens_of_running_requests(servers
         assert reply[0] == stock[0]  # the prefill (first token) is untouched
     after = _stats(server)
     dropped = TOKENS_PER_IMAGE - math.ceil(0.5 * TOKENS_PER_IMAGE)
-    assert _delta(after, start, "decode_compression", "compressed_requests") == 3
-    assert _delta(after, start, "decode_compression", "freed_tokens") == 3 * 3 * dropped
+    assert _delta(after, start, "row_compaction", "compressed_requests") == 3
+    assert _delta(after, start, "row_compaction", "freed_tokens") == 3 * 3 * dropped
     ledger = after["pool"]
     assert ledger["free_unique"] and ledger["in_use"] == 0
     assert ledger["tree"] == start["pool"]["tree"]  # compressed rows stay out of the tree
@@ -216,7 +275,7 @@ def test_decode_compression_frees_the_dropped_tokens_of_running_requests(servers
     again = _stats(server)
     assert len(reused) == 8
     assert _delta(again, after, "refresh", "reused_tokens") == 3 * TOKENS_PER_IMAGE
-    assert _delta(again, after, "decode_compression", "freed_tokens") == 3 * dropped
+    assert _delta(again, after, "row_compaction", "freed_tokens") == 3 * dropped
     requests.post(server.base_url + "/flush_cache", timeout=30)
     end = _stats(server)["pool"]
     assert end["available"] == end["size"] and end["free_unique"]
@@ -236,7 +295,7 @@ def test_retracted_compressed_requests_prefill_again_and_finish(servers):
     assert sum(retracted) > 0  # SGLang's log of each test retraction
     after = _stats(server)
     # Each prefill after a retraction shrinks the row again.
-    assert after["decode_compression"]["compressed_requests"] > 3
+    assert after["row_compaction"]["compressed_requests"] > 3
     ledger = after["pool"]
     assert ledger["free_unique"] and ledger["in_use"] == 0
     requests.post(server.base_url + "/flush_cache", timeout=30)
@@ -250,7 +309,7 @@ def test_decode_compression_leaves_a_one_token_request_to_the_tree(servers):
     text, _ = _chat(server, "One token only.", [make_image(900)], max_tokens=1)
     after = _stats(server)
     assert isinstance(text, str)
-    assert _delta(after, before, "decode_compression", "compressed_requests") == 0
+    assert _delta(after, before, "row_compaction", "compressed_requests") == 0
     assert after["pool"]["tree"] > before["pool"]["tree"]  # inserted as stock would
 
 

@@ -64,7 +64,7 @@ def _chat(server, system: str, images) -> str:
 
 def _failures(server) -> int:
     stats = mmkv_stats(server.base_url)
-    return stats["refresh"]["fallbacks"] + stats["decode_compression"]["failures"]
+    return stats["refresh"]["fallbacks"] + stats["row_compaction"]["failures"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -56,6 +56,7 @@ class CellSummary:
     cached_tokens_per_req: float
     reused_tokens_per_req: float
     refreshed_tokens_per_req: float
+    hole_tokens_per_req: float
     segment_hits_per_req: float
     compressed_tokens: int
     evicted_segments: int
@@ -66,10 +67,15 @@ class CellSummary:
     ttft_speedup: float = math.nan
     round_ttft_ms: tuple[float, ...] = ()  # mean TTFT of each round
     ttft_speedup_range: str = ""  # lowest-highest ratio of round means vs stock
+    # share of the requests' image tokens served by stored segments (reused KV or a
+    # compressed segment's holes): not computed in the prefill
+    image_token_hit_rate: float = math.nan
     errors: tuple[str, ...] = ()
 
 
-def summarise_cell(run: CellRun, shape: DecoderShape) -> CellSummary:
+def summarise_cell(
+    run: CellRun, shape: DecoderShape, tokens_per_image: int | None = None
+) -> CellSummary:
     ok = [r for r in run.results if r.ok]
     ttft = [r.ttft_s * 1000 for r in ok]
     e2e = [r.latency_s * 1000 for r in ok]
@@ -100,6 +106,7 @@ def summarise_cell(run: CellRun, shape: DecoderShape) -> CellSummary:
         cached_tokens_per_req=sum(r.cached_tokens for r in ok) / n,
         reused_tokens_per_req=run.refresh_delta.get("reused_tokens", 0) / n,
         refreshed_tokens_per_req=run.refresh_delta.get("refreshed_tokens", 0) / n,
+        hole_tokens_per_req=run.refresh_delta.get("hole_tokens", 0) / n,
         segment_hits_per_req=run.store_delta.get("hits", 0) / n,
         compressed_tokens=int(run.store_delta.get("compressed_tokens", 0)),
         evicted_segments=int(run.store_delta.get("evictions", 0)),
@@ -107,7 +114,17 @@ def summarise_cell(run: CellRun, shape: DecoderShape) -> CellSummary:
         full_prefill_tflops=full / 1e12,
         peak_token_usage=run.peak_token_usage,
         errors=tuple(r.error for r in run.results if not r.ok),
+        image_token_hit_rate=_image_hit_rate(run, len(ok), tokens_per_image),
     )
+
+
+def _image_hit_rate(run: CellRun, completed: int, tokens_per_image: int | None) -> float:
+    """(reused + hole tokens) / image tokens of the completed requests; NaN for stock
+    (its prefix hits are in ``cached``) or when the image size is unknown."""
+    if run.side == STOCK or not tokens_per_image or not completed:
+        return math.nan
+    served = run.refresh_delta.get("reused_tokens", 0) + run.refresh_delta.get("hole_tokens", 0)
+    return served / (completed * run.cell.num_images * tokens_per_image)
 
 
 def merge_rounds(runs: list[CellRun]) -> CellRun:
@@ -136,7 +153,9 @@ def _round_means(runs: list[CellRun]) -> tuple[float, ...]:
     return tuple(means)
 
 
-def summarise(run: BenchRun, shape: DecoderShape) -> list[CellSummary]:
+def summarise(
+    run: BenchRun, shape: DecoderShape, tokens_per_image: int | None = None
+) -> list[CellSummary]:
     """Every cell of every side over all rounds, with FLOPs and TTFT relative to stock's
     same cell: the ratio of the mean TTFTs, and its range over the rounds."""
     groups: dict[tuple[str, str], list[CellRun]] = {}
@@ -144,7 +163,7 @@ def summarise(run: BenchRun, shape: DecoderShape) -> list[CellSummary]:
         groups.setdefault((cell_run.cell.key, cell_run.side), []).append(cell_run)
     rows = []
     for runs in groups.values():
-        row = summarise_cell(merge_rounds(runs), shape)
+        row = summarise_cell(merge_rounds(runs), shape, tokens_per_image)
         row.round_ttft_ms = _round_means(runs)
         rows.append(row)
     stock = {row.cell: row for row in rows if row.side == STOCK}
@@ -203,7 +222,9 @@ _COLUMNS = (
     ("cached", "cached_tokens_per_req", "{:.0f}"),
     ("reused", "reused_tokens_per_req", "{:.0f}"),
     ("refreshed", "refreshed_tokens_per_req", "{:.0f}"),
+    ("holes", "hole_tokens_per_req", "{:.0f}"),
     ("seg hits", "segment_hits_per_req", "{:.1f}"),
+    ("img hit", "image_token_hit_rate", "{:.2f}"),
     ("compressed", "compressed_tokens", "{}"),
     ("evicted", "evicted_segments", "{}"),
     ("FLOPs", "flops_fraction", "{:.3f}"),

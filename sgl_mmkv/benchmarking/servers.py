@@ -110,11 +110,13 @@ class Side:
 
 def mode_flags(name: str, refresh_budget: float, kv_budget: float) -> list[str]:
     """sgl_mmkv flags of side ``name``: ``MODE`` or ``MODE+EVICT`` (``conduit+aircache``:
-    ``--mm-reuse conduit --mm-evict aircache --mm-kv-budget kv_budget``)."""
+    ``--mm-reuse conduit --mm-evict aircache --mm-kv-budget kv_budget``); a suffix
+    ``@R`` sets that side's kept fraction (``conduit+snapkv@0.25``)."""
+    name, _, kept = name.partition("@")
     reuse, _, evict = name.partition("+")
     flags = ["--mm-reuse", reuse, "--mm-refresh-budget", str(refresh_budget), REPORT_REUSE]
     if evict:
-        flags += ["--mm-evict", evict, "--mm-kv-budget", str(kv_budget)]
+        flags += ["--mm-evict", evict, "--mm-kv-budget", kept or str(kv_budget)]
     return flags
 
 

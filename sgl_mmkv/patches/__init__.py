@@ -6,16 +6,16 @@ plugin calls. No module here is imported by a stock server.
 """
 
 from sgl_mmkv.patches import (  # noqa: E402
-    batch_result_processor_prefill,
     eager_runner_execute_extend,
     mm_embed_routine,
     mm_processor_flush,
     scheduler_internal_state,
+    scheduler_run_batch,
     tokenizer_caller_hashes,
 )
 
 __all__ = [
-    "batch_result_processor_prefill",
+    "scheduler_run_batch",
     "eager_runner_execute_extend",
     "mm_embed_routine",
     "mm_processor_flush",

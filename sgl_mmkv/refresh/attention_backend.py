@@ -21,6 +21,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_mmkv.kernels.scattered_attention import scattered_attention
+from sgl_mmkv.refresh.row_view import RowView
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RefreshAttentionBackend(AttentionBackend):
         query_positions: per request of the pass, ``(n_i,)`` int64 row positions of
             its active tokens, in the order they appear in the batch.
         capture: optional queries to keep for scoring.
+        views: optional, per request, the :class:`RowView` of a row with holes
+            (None: the whole row holds KV); its holes are never attended.
     """
 
     def __init__(
@@ -50,12 +53,14 @@ class RefreshAttentionBackend(AttentionBackend):
         token_to_kv_pool,
         query_positions: list[torch.Tensor],
         capture: QueryCapture | None = None,
+        views: list[RowView | None] | None = None,
     ) -> None:
         super().__init__()
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.query_positions = query_positions
         self.capture = capture
+        self.views = views or [None] * len(query_positions)
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Nothing to plan: every request's row is read through ``req_to_token``."""
@@ -81,6 +86,9 @@ class RefreshAttentionBackend(AttentionBackend):
                 continue
             seq_len = int(seq_lens[i])
             row = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+            view = self.views[i]
+            if view is not None:
+                row, positions = row[view.kept.to(row.device)], view.compact(positions)
             q_i = q_[start : start + n]
             out_[start : start + n] = scattered_attention(
                 q_i, k_buffer, v_buffer, row, positions.to(q.device), layer.scaling

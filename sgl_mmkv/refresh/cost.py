@@ -76,15 +76,15 @@ def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, bud
     selected tokens are taken as the last reused ones and nothing before the first
     reused token is assumed skipped."""
     positions = torch.arange(plan.prefix_len, plan.seq_len)
-    fresh = ~plan.reused_mask()
-    reused_rows = (~fresh).nonzero().flatten()
+    fresh = plan.fresh_mask()
+    reused_rows = plan.reused_mask().nonzero().flatten()
     total = 0
     if scorer.needs_fresh_kv:
         total += shape.extend_flops(plan.prefix_len, plan.seq_len)
     if scorer.needs_attention:
         total += shape.pass_flops(positions[scoring_rows(fresh)])
     after_scoring_pass = scorer.needs_attention or scorer.needs_fresh_kv
-    num_image_tokens = sum(s.end - s.start for s in plan.spans)
+    num_image_tokens = sum(s.end - s.start for s in plan.spans) - int(plan.hole_mask().sum())
     k = budget_count(budget, num_image_tokens)
     selected = reused_rows[reused_rows.numel() - k :] + plan.prefix_len
     skip = int(reused_rows[0]) if after_scoring_pass else 0

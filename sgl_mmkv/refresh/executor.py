@@ -48,12 +48,14 @@ from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.ranker import Span, VisualRanker
 from sgl_mmkv.refresh.rotary import rope_rates_of
 from sgl_mmkv.refresh.row_kv import row_kv
+from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.refresh.sub_batch import active_sub_batch, needs_every_row
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
+from sgl_mmkv.segments.poison import poison_slots
 from sgl_mmkv.segments.store import SegmentStore
 
 if TYPE_CHECKING:
-    from sgl_mmkv.refresh.decode_compression import DecodeCompressor
+    from sgl_mmkv.refresh.row_compaction import RowCompactor
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class RefreshCounters(Counters):
 
     refresh_forwards: int = 0
     reused_tokens: int = 0
+    hole_tokens: int = 0  # dropped tokens of reused compressed segments left out
     refreshed_tokens: int = 0
     declined_reuses: int = 0
     stock_batches: int = 0  # batches with reuse run as stock (every row's outputs asked)
@@ -99,8 +102,9 @@ class RefreshExecutor:
         ranker: ranks images' tokens for scored eviction (``--mm-evict``).
         compress_on_fill: compress each ranked segment as soon as it is stored
             (``--mm-compress-at fill``) to ``ranker.budget``.
-        decode_compressor: receives each extend's rankings to shrink the requests'
-            own rows after prefill (``--mm-compress-at decode``).
+        row_compactor: shrinks requests' rows after their prefill: it receives the
+            holes of rows that reuse compressed segments (``--mm-compressed-reuse
+            holes``) and each extend's rankings (``--mm-compress-at decode``).
         report_reuse: attach each request's reuse facts to its meta info and log them
             (``--mm-report-reuse``); the counters are kept either way.
         on_forward: called after every extend's counters are updated (metrics).
@@ -115,7 +119,7 @@ class RefreshExecutor:
         gate: str = "cost",
         ranker: VisualRanker | None = None,
         compress_on_fill: bool = False,
-        decode_compressor: DecodeCompressor | None = None,
+        row_compactor: RowCompactor | None = None,
         report_reuse: bool = False,
         on_forward: Callable[[], None] | None = None,
     ) -> None:
@@ -125,7 +129,7 @@ class RefreshExecutor:
         self.gate = gate
         self.ranker = ranker
         self.counters = RefreshCounters()
-        self.decode_compressor = decode_compressor
+        self.row_compactor = row_compactor
         self.report_reuse = report_reuse
         self.on_forward = on_forward
         compress_budget = ranker.budget if ranker is not None and compress_on_fill else None
@@ -136,6 +140,7 @@ class RefreshExecutor:
         # What a stock fallback of the current forward can use (execute_extend).
         self._stock_out = None
         self._embeddings: EmbeddingPass | None = None
+        self._views: list[RowView | None] = []  # per request of the current forward
 
     def execute_extend(self, run_extend: Callable, model_runner, forward_batch):
         """``run_extend(forward_batch)`` is the stock eager extend; returns its output.
@@ -179,9 +184,11 @@ class RefreshExecutor:
 
     def _execute(self, run_extend: Callable, model_runner, forward_batch):
         planning = time.perf_counter()
+        self._views = []
         plans = plan_batch(self.store, forward_batch)
         fault_point("plan")
         self._drop_unsupported(forward_batch, plans)
+        self._allow_holes(forward_batch, plans)
         full_flops = self._full_flops(model_runner, forward_batch)
         self.counters.full_prefill_flops += full_flops
         if self.gate == "cost":
@@ -200,10 +207,11 @@ class RefreshExecutor:
             return out
         started = time.perf_counter()
         self.counters.plan_seconds += started - planning
+        self._views = [RowView.of(p) for p in plans]
         with self._phase("copy"):
             self._copy_segments(model_runner, forward_batch, plans)
         fault_point("copy")
-        fresh = [~p.reused_mask() for p in plans]
+        fresh = [p.fresh_mask() for p in plans]
         embeddings = EmbeddingPass(
             full_batch=forward_batch, stock_backend=model_runner.attn_backend
         )
@@ -230,6 +238,8 @@ class RefreshExecutor:
                 run_extend, model_runner, forward_batch, active, embeddings, observer=observer
             )
         fault_point("refresh")
+        if self.row_compactor is not None:
+            self.row_compactor.plan_holes(forward_batch, plans)
         rankings = self._rank(observer, model_runner, forward_batch, plans, active)
         fault_point("ranking")
         with self._phase("fill", embeddings):
@@ -250,8 +260,8 @@ class RefreshExecutor:
         every extend slot, so KV copied into request slots is overwritten, and a
         canonical fill discards its reservations itself)."""
         self.counters.fallbacks += 1
-        if self.decode_compressor is not None:
-            self.decode_compressor.abandon()
+        if self.row_compactor is not None:
+            self.row_compactor.abandon()
         logger.warning(
             "sgl_mmkv: refresh path failed (%r) for rids %s; the batch runs as stock",
             error,
@@ -270,8 +280,8 @@ class RefreshExecutor:
             observer, model_runner, forward_batch, plans, active
         )
         self.counters.ranking_seconds += time.perf_counter() - started
-        if self.decode_compressor is not None:
-            self.decode_compressor.plan(forward_batch, plans, ranked)
+        if self.row_compactor is not None:
+            self.row_compactor.plan(forward_batch, plans, ranked)
         return {
             fill.key: ranked[plan.index][(fill.start, fill.end)]
             for plan in plans
@@ -305,7 +315,11 @@ class RefreshExecutor:
             ]
             self.counters.executed_flops += sum(self._shape.pass_flops(p) for p in positions)
             backend = RefreshAttentionBackend(
-                model_runner.req_to_token_pool, model_runner.token_to_kv_pool, positions, capture
+                model_runner.req_to_token_pool,
+                model_runner.token_to_kv_pool,
+                positions,
+                capture,
+                self._views,
             )
         with (
             observing(observer, model_runner.model, backend) as backend,
@@ -359,7 +373,7 @@ class RefreshExecutor:
                 selected.append(torch.empty(0, dtype=torch.long))
                 continue
             inputs = self._scoring_inputs(model_runner, forward_batch, plan, captures)
-            selected.append(scorer.select(inputs, self.budget).cpu())
+            selected.append(self._expand(plan, scorer.select(inputs, self.budget).cpu()))
         fault_point("selection")
         return selected
 
@@ -367,8 +381,8 @@ class RefreshExecutor:
         """CacheBlend's signal: the whole extend recomputed once (as costly as a full
         prefill; the paper's layer-by-layer shrinking is not done), its KV compared
         with the stale KV, then the stale KV restored for the refresh pass."""
-        stale = {p.index: row_kv(model_runner, forward_batch, p.index) for p in plans}
-        whole = [torch.ones(p.seq_len - p.prefix_len, dtype=torch.bool) for p in plans]
+        stale = {p.index: self._row_kv(model_runner, forward_batch, p) for p in plans}
+        whole = [~p.hole_mask() for p in plans]
         self._run_pass(run_extend, model_runner, forward_batch, whole, embeddings)
         selected = []
         for plan in plans:
@@ -376,17 +390,17 @@ class RefreshExecutor:
                 selected.append(torch.empty(0, dtype=torch.long))
                 continue
             keys, values = stale[plan.index]
-            fresh_k, fresh_v = row_kv(model_runner, forward_batch, plan.index)
+            fresh_k, fresh_v = self._row_kv(model_runner, forward_batch, plan)
             inputs = ScoringInputs(
                 queries=(),
                 keys=keys,
                 values=values,
                 query_positions=torch.empty(0, dtype=torch.long),
-                image_spans=tuple((s.start, s.end) for s in plan.spans),
+                image_spans=self._spans(plan),
                 fresh_keys=fresh_k,
                 fresh_values=fresh_v,
             )
-            selected.append(self.scorer.select(inputs, self.budget).cpu())
+            selected.append(self._expand(plan, self.scorer.select(inputs, self.budget).cpu()))
         self._copy_segments(model_runner, forward_batch, plans)
         return selected
 
@@ -400,16 +414,40 @@ class RefreshExecutor:
         return tail if tail.numel() else torch.arange(positions.numel())
 
     def _scoring_inputs(self, model_runner, forward_batch, plan, captures) -> ScoringInputs:
-        spans = tuple((s.start, s.end) for s in plan.spans)
+        """What the scorer sees of ``plan``'s row: without its holes, if it has some
+        (positions and spans then index the compacted row, see :meth:`_expand`)."""
+        spans = self._spans(plan)
         if captures is None:
             empty = torch.empty(0, dtype=torch.long)
             return ScoringInputs((), (), (), empty, spans)
-        keys, values = row_kv(model_runner, forward_batch, plan.index)
+        keys, values = self._row_kv(model_runner, forward_batch, plan)
         per_layer = captures.queries[plan.index]
-        positions = scoring_rows(~plan.reused_mask()).nonzero().flatten() + plan.prefix_len
+        positions = scoring_rows(plan.fresh_mask()).nonzero().flatten() + plan.prefix_len
         query_positions = positions[captures.rows[plan.index]]
+        view = self._views[plan.index]
+        if view is not None:
+            query_positions = view.compact(query_positions)
         queries = tuple(per_layer[layer] for layer in sorted(per_layer))
         return ScoringInputs(queries, keys, values, query_positions, spans)
+
+    def _spans(self, plan: RequestPlan) -> tuple[tuple[int, int], ...]:
+        """The reused spans of ``plan``, in its row without holes."""
+        view = self._views[plan.index]
+        if view is None:
+            return tuple((s.start, s.end) for s in plan.spans)
+        return tuple(view.span(s.start, s.end) for s in plan.spans)
+
+    def _row_kv(self, model_runner, forward_batch, plan: RequestPlan):
+        keys, values = row_kv(model_runner, forward_batch, plan.index)
+        view = self._views[plan.index]
+        if view is None:
+            return keys, values
+        return view.rows(keys), view.rows(values)
+
+    def _expand(self, plan: RequestPlan, selected: torch.Tensor) -> torch.Tensor:
+        """Row positions of a scorer's ``selected`` (indices of the compacted row)."""
+        view = self._views[plan.index]
+        return selected if view is None else view.expand(selected)
 
     # -- KV movement ---------------------------------------------------------------------
 
@@ -427,6 +465,8 @@ class RefreshExecutor:
         for plan in plans:
             pool_index = forward_batch.req_pool_indices[plan.index]
             row = req_to_token[pool_index]
+            holes = plan.hole_mask().nonzero().flatten() + plan.prefix_len
+            poison_slots(model_runner.token_to_kv_pool, row[holes.to(row.device)])
             for span in plan.spans:
                 src.append(span.source_slots())
                 dst.append(row[span.reused_positions().to(row.device)])
@@ -459,6 +499,23 @@ class RefreshExecutor:
             if reuse_flops(self._shape, plan, self.scorer, self.budget) >= full:
                 plan.spans.clear()
                 self.counters.declined_reuses += 1
+
+    def _allow_holes(self, forward_batch, plans: list[RequestPlan]) -> None:
+        """Holes for every request whose row can drop tokens after this extend: a row
+        compactor runs, the model derives decode positions from M-RoPE's offset, and
+        this extend is the request's last prefill chunk ending in a computed token.
+        Elsewhere a compressed segment's dropped tokens are computed fresh."""
+        compactor = self.row_compactor
+        if compactor is None or not compactor.holes or forward_batch.mrope_positions is None:
+            return
+        mm_list = forward_batch.mm_inputs or [None] * len(plans)
+        for plan, mm in zip(plans, mm_list, strict=True):
+            whole_prompt = getattr(mm, "mrope_positions", None)
+            if whole_prompt is None or whole_prompt.shape[-1] != plan.seq_len:
+                continue
+            plan.holes = True
+            if bool(plan.hole_mask()[-1]):
+                plan.holes = False
 
     def _drop_unsupported(self, forward_batch, plans) -> None:
         """Requests whose outputs cover more prompt rows than the last (input logprobs
@@ -497,15 +554,18 @@ class RefreshExecutor:
         infos = []
         for i, plan in enumerate(plans):
             reused = plan.reused_tokens
+            holes = int(plan.hole_mask().sum())
             refreshed = 0 if selected is None else int(selected[i].numel())
-            recomputed = (plan.seq_len - plan.prefix_len) - reused + refreshed
+            recomputed = (plan.seq_len - plan.prefix_len) - reused - holes + refreshed
             c.reused_tokens += reused
+            c.hole_tokens += holes
             c.refreshed_tokens += refreshed
             c.recomputed_tokens += recomputed
             info = {
                 "method": self.scorer.name,
                 "reused_segments": len(plan.spans),
                 "reused_tokens": reused,
+                "hole_tokens": holes,
                 "refreshed_tokens": refreshed,
                 "recomputed_tokens": recomputed,
             }

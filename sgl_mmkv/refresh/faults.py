@@ -19,7 +19,7 @@ STAGES = (
     "refresh",
     "ranking",
     "fill",
-    "decode_compression",
+    "row_compaction",
 )
 
 

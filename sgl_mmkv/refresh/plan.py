@@ -27,7 +27,8 @@ class ReuseSpan:
     The image itself begins at row position ``image_start`` (``-1``: at ``start``).
     A span is the whole image, or the part of it inside this extend when chunked
     prefill cut the image at a chunk boundary. A compressed segment fills only its
-    kept tokens (:meth:`reused_positions`); the others are computed fresh like text.
+    kept tokens (:meth:`reused_positions`); the others are computed fresh like text,
+    or, when the request's plan allows holes, left out of the extend altogether.
     """
 
     start: int
@@ -77,6 +78,8 @@ class RequestPlan:
     fills: list[FillCandidate] = field(default_factory=list)
     visual: torch.Tensor | None = None  # (extend_len,) bool: image tokens of the extend
     images: list[tuple[int, int]] = field(default_factory=list)  # images wholly in the extend
+    # a compressed segment's dropped tokens are holes: neither computed nor attended
+    holes: bool = False
 
     def text_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True for the extend's non-image tokens."""
@@ -95,6 +98,16 @@ class RequestPlan:
         for s in self.spans:
             mask[s.start - self.prefix_len : s.end - self.prefix_len] = True
         return mask & ~self.reused_mask()
+
+    def hole_mask(self) -> torch.Tensor:
+        """``(extend_len,)`` bool: the dropped tokens when this plan has holes, else none."""
+        if not self.holes:
+            return torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
+        return self.dropped_mask()
+
+    def fresh_mask(self) -> torch.Tensor:
+        """``(extend_len,)`` bool: the tokens computed (neither reused nor holes)."""
+        return ~self.reused_mask() & ~self.hole_mask()
 
     def reused_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True where the extend token comes from a segment."""

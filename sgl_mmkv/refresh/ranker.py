@@ -18,6 +18,7 @@ import torch
 from sgl_mmkv.refresh.observer import PrefillObserver, QueryProjector
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.row_kv import row_keys
+from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
 
 Span = tuple[int, int]
@@ -31,8 +32,12 @@ def fill_spans(plan: RequestPlan) -> list[Span]:
 
 
 def extend_image_spans(plan: RequestPlan) -> list[Span]:
-    """Every image of ``plan`` computed in this extend (new, reused or refreshed)."""
-    return list(plan.images)
+    """Every image of ``plan`` computed in this extend (new, reused or refreshed), but
+    one with holes (it keeps exactly the tokens its segment kept)."""
+    holes = plan.hole_mask()
+    return [
+        (s, e) for s, e in plan.images if not holes[s - plan.prefix_len : e - plan.prefix_len].any()
+    ]
 
 
 class VisualRanker:
@@ -107,6 +112,10 @@ class VisualRanker:
         per_layer = observer.queries[plan.index]
         layers = sorted(per_layer)
         keys = row_keys(model_runner, forward_batch, plan.index)
+        view = RowView.of(plan)
+        if view is not None:  # ranked against the KV the row holds, never its holes
+            keys, query_positions = view.rows(keys), view.compact(query_positions)
+            spans = [view.span(start, end) for start, end in spans]
         stats = observer.hidden_stats.get(plan.index, {})
         inputs = ScoringInputs(
             queries=tuple(per_layer[layer] for layer in layers),

@@ -19,6 +19,7 @@ from sgl_mmkv.scoring.controls import (
     FirstTokensScorer,
     FullRecomputeScorer,
     NoRefreshScorer,
+    RandomKeepScorer,
     RandomScorer,
 )
 from sgl_mmkv.scoring.mmshiftkv import MMShiftKVScorer
@@ -38,7 +39,7 @@ REFRESH_SCORERS: dict[str, type[TokenScorer]] = {
     )
 }
 EVICTION_SCORERS: dict[str, type[TokenScorer]] = {
-    cls.name: cls for cls in (AirCacheScorer, MMShiftKVScorer, SnapKVScorer)
+    cls.name: cls for cls in (AirCacheScorer, MMShiftKVScorer, SnapKVScorer, RandomKeepScorer)
 }
 
 

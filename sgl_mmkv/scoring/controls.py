@@ -70,3 +70,12 @@ class NoRefreshScorer(TokenScorer):
 
     def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         return inputs.visual_positions[:0]
+
+
+@dataclass
+class RandomKeepScorer(RandomScorer):
+    """Eviction control: a compressed segment keeps a seeded random subset of its
+    tokens, the floor every eviction score must beat."""
+
+    name: ClassVar[str] = "random_keep"
+    summary: ClassVar[str] = "a seeded random subset (the control)"

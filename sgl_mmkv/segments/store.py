@@ -25,6 +25,7 @@ import torch
 from sgl_mmkv.counters import Counters
 from sgl_mmkv.scoring.base import top_tokens
 from sgl_mmkv.segments.key import SegmentKey
+from sgl_mmkv.segments.poison import poison_slots
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +241,9 @@ class SegmentStore:
             return 0
         dropped = torch.ones(n, dtype=torch.bool)
         dropped[keep] = False
-        self.allocator.free(segment.slots[dropped.to(segment.slots.device)])
+        freed_slots = segment.slots[dropped.to(segment.slots.device)]
+        poison_slots(self.kv_pool, freed_slots)
+        self.allocator.free(freed_slots)
         segment.slots = segment.slots[keep.to(segment.slots.device)]
         segment.kept = keep
         freed = int(dropped.sum())
@@ -278,6 +281,7 @@ class SegmentStore:
     def _release(self, segment: Segment, free_slots: bool) -> int:
         segment.alive = False
         if free_slots:
+            poison_slots(self.kv_pool, segment.slots)
             self.allocator.free(segment.slots)
         self._num_tokens -= segment.num_tokens
         return segment.num_tokens

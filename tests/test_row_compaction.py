@@ -1,8 +1,9 @@
-"""Decode-time compression of one request's row, on SGLang's own data structures.
+"""Row compaction (decode-time compression, reuse holes) on SGLang's own data structures.
 
 The row shrinks by the dropped count, keeps the kept slots in order, frees exactly
 the dropped ones, and SGLang's decode positions (``ForwardBatch``'s M-RoPE decode
-path) are the same before and after: the position delta absorbs the shift.
+path) are the same before and after: the position delta absorbs the shift. A row
+with holes always shrinks; if compacting fails it is aborted, never decoded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from sgl_mmkv.refresh.decode_compression import DecodeCompressor, dropped_positions
+from sgl_mmkv.refresh.row_compaction import RowCompactor, dropped_positions
 
 PROMPT = 40
 IMAGES = ((5, 21), (24, 32))  # [start, end) row positions of two images
@@ -85,12 +86,11 @@ def test_the_rows_shrink_by_the_dropped_tokens_and_decode_positions_hold(budget,
     forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]))
     plans = [SimpleNamespace(index=i, seq_len=PROMPT) for i in range(2)]
     ranked = {i: _rankings(i) for i in range(2)}
-    compressor = DecodeCompressor(budget)
+    compressor = RowCompactor(budget)
     compressor.plan(forward_batch, plans, ranked)
-    compressor.before(batch)
-    assert all(r.skip_radix_cache_insert for r in reqs)
     allocator = RecordingAllocator()
-    compressor.after(batch, SimpleNamespace(req_to_token=table), allocator)
+    compressor.compact(batch, SimpleNamespace(req_to_token=table), allocator)
+    assert all(r.skip_radix_cache_insert for r in reqs)
 
     dropped = sum((e - s) - math.ceil(budget * (e - s) - 1e-9) for s, e in IMAGES)
     assert compressor.counters.freed_tokens == 2 * dropped
@@ -130,13 +130,85 @@ def test_requests_that_finish_in_prefill_or_are_chunked_keep_their_rows():
     chunked = _request(row=1, delta=0)
     chunked.inflight_middle_chunks = 1
     batch = SimpleNamespace(reqs=[one_token, chunked], seq_lens=torch.tensor([PROMPT, PROMPT]))
-    compressor = DecodeCompressor(0.5)
+    compressor = RowCompactor(0.5)
     forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]))
     plans = [SimpleNamespace(index=i, seq_len=PROMPT) for i in range(2)]
     compressor.plan(forward_batch, plans, {0: _rankings(0), 1: _rankings(1)})
-    compressor.before(batch)
-    assert not one_token.skip_radix_cache_insert and not chunked.skip_radix_cache_insert
     allocator = RecordingAllocator()
-    compressor.after(batch, SimpleNamespace(req_to_token=table), allocator)
+    compressor.compact(batch, SimpleNamespace(req_to_token=table), allocator)
+    assert not one_token.skip_radix_cache_insert and not chunked.skip_radix_cache_insert
     assert allocator.freed == [] and torch.equal(table, original)
     assert compressor.counters.compressed_requests == 0
+    assert compressor.counters.skipped_requests == 2
+
+
+def _holed_plan(index: int, holes: list[int]):
+    mask = torch.zeros(PROMPT, dtype=torch.bool)
+    mask[holes] = True
+    return SimpleNamespace(index=index, prefix_len=0, seq_len=PROMPT, hole_mask=lambda: mask)
+
+
+def _batch(reqs):
+    n = len(reqs)
+    return SimpleNamespace(
+        reqs=reqs,
+        seq_lens=torch.tensor([PROMPT] * n),
+        seq_lens_cpu=torch.tensor([PROMPT] * n),
+        orig_seq_lens=None,
+        seq_lens_sum=n * PROMPT,
+        multimodal_inputs=[r.multimodal_inputs for r in reqs],
+    )
+
+
+def test_holes_and_decode_drops_leave_the_row_once_each_even_for_one_token():
+    table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64)
+    original = table.clone()
+    one_token = _request(row=0, delta=2, max_new_tokens=1)
+    decoding = _request(row=1, delta=0)
+    batch = _batch([one_token, decoding])
+    forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]))
+    compactor = RowCompactor(0.5, holes=True)
+    holes = [7, 8, 9, 30]
+    compactor.plan_holes(forward_batch, [_holed_plan(0, holes), _holed_plan(1, holes)])
+    plans = [SimpleNamespace(index=1, seq_len=PROMPT)]
+    ranked = {1: {(5, 21): torch.arange(16, dtype=torch.float32)}}  # keeps 13..20
+    compactor.plan(forward_batch, plans, ranked)
+    allocator = RecordingAllocator()
+    compactor.compact(batch, SimpleNamespace(req_to_token=table), allocator)
+    removed_1 = sorted({*holes, *range(5, 13)})
+    assert sorted(allocator.freed) == sorted(
+        original[0, holes].tolist() + original[1, removed_1].tolist()
+    )
+    assert batch.seq_lens.tolist() == [PROMPT - 4, PROMPT - len(removed_1)]
+    assert one_token.skip_radix_cache_insert and decoding.skip_radix_cache_insert
+    assert int(one_token.multimodal_inputs.mrope_position_delta) == 2 + 4
+    keep = torch.ones(PROMPT, dtype=torch.bool)
+    keep[holes] = False
+    assert torch.equal(table[0, : PROMPT - 4], original[0, :PROMPT][keep])
+    c = compactor.counters
+    assert (c.holed_requests, c.hole_tokens) == (2, 8)
+    assert (c.compressed_requests, c.freed_tokens) == (1, len(removed_1) - 4)
+
+
+def test_a_failed_compaction_aborts_rows_with_holes_and_leaves_the_others_whole(monkeypatch):
+    from sgl_mmkv.refresh import row_compaction
+
+    table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64)
+    original = table.clone()
+    holed, decoding = _request(row=0, delta=0), _request(row=1, delta=0)
+    aborted = []
+    holed.set_finish_with_abort = aborted.append
+    decoding.set_finish_with_abort = aborted.append
+    forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]))
+    compactor = RowCompactor(0.5, holes=True)
+    compactor.plan_holes(forward_batch, [_holed_plan(0, [7, 8])])
+    compactor.plan(forward_batch, [SimpleNamespace(index=1, seq_len=PROMPT)], {1: _rankings(1)})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(row_compaction.RowCompactor, "_shrink", broken)
+    with pytest.raises(RuntimeError):
+        compactor.compact(_batch([holed, decoding]), SimpleNamespace(req_to_token=table), None)
+    assert len(aborted) == 1 and compactor.counters.aborted_requests == 1
+    assert torch.equal(table, original)

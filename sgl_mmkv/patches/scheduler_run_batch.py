@@ -1,0 +1,39 @@
+"""Patch of ``sglang.srt.managers.scheduler.Scheduler.run_batch`` (SGLang 0.5.23).
+
+AROUND hook, registered with an eviction scorer (``--mm-evict``, not ``lru``): once
+an extend batch has run, the rows that drop tokens (a reused compressed segment's
+holes, or ``--mm-compress-at decode``) are kept out of the radix tree and shrunk
+(:class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`). Doing it here, before the
+scheduler builds the next batch from this one, keeps it right under the overlap
+scheduler too: that builds the next decode batch before it processes this batch's
+result. The stock method's result is returned untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+
+
+def run_batch_with_row_compaction(original, scheduler: Any, batch: Any, *args, **kwargs):
+    result = original(scheduler, batch, *args, **kwargs)
+    compactor = getattr(scheduler.tree_cache, "row_compactor", None)
+    if compactor is None:
+        return result
+    try:
+        compactor.compact(batch, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator)
+    except Exception as error:  # never the reason the scheduler dies: leave rows whole
+        compactor.abandon()
+        compactor.counters.failures += 1
+        logger.warning("sgl_mmkv: row compaction failed (%r); rows left whole", error)
+    return result
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, run_batch_with_row_compaction, HookType.AROUND)

@@ -1,0 +1,227 @@
+"""Rows that drop tokens after their prefill: reuse holes and decode-time compression.
+
+Two sources plan rows to shrink, both handed over by the refresh executor during an
+extend forward:
+
+- **reuse holes** (:meth:`RowCompactor.plan_holes`): a reused segment that was
+  compressed lacks the KV of its dropped tokens; the extend neither computes nor
+  attends to them, so their row positions hold no KV and must never be read;
+- **decode-time compression** (``--mm-compress-at decode``, :meth:`RowCompactor.plan`):
+  each image of the extend keeps only its top ``--mm-kv-budget`` tokens for decoding.
+
+Right after the batch's forward (``patches/scheduler_run_batch.py``), before the
+scheduler builds its next batch, :meth:`RowCompactor.compact` frees the dropped
+slots, moves the kept ones down in ``req_to_token`` so the row stays dense, and
+shrinks every length SGLang keeps for the request by the dropped count ``d``:
+``kv_committed_len`` / ``kv_allocated_len`` (what release frees), the batch's
+``seq_lens`` (where decode writes and how far it attends).
+
+Positions stay right through M-RoPE's per-request offset: a decode token's position
+is ``seq_len - 1 + mrope_position_delta``, so the delta grows by ``d``. The kept
+tokens' KV already carries its rotary positions. Models without M-RoPE derive the
+position from ``seq_len`` alone: decode compression is refused for them at start-up
+and the executor plans no holes for them.
+
+A compacted row is not the KV of its token ids, so the request is kept out of the
+radix tree (``skip_radix_cache_insert``). On release (finish or retraction) the
+request's M-RoPE state is put back, so a retracted request prefills again from its
+original inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sgl_mmkv.counters import Counters
+from sgl_mmkv.refresh.faults import fault_point
+from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.ranker import Span
+from sgl_mmkv.scoring.base import top_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RowCompactionCounters(Counters):
+    compressed_requests: int = 0  # decode-time compression
+    freed_tokens: int = 0
+    holed_requests: int = 0  # rows shrunk by reuse holes
+    hole_tokens: int = 0
+    skipped_requests: int = 0  # planned, but finished, retracted or still chunked
+    aborted_requests: int = 0  # rows with holes whose compaction failed
+    failures: int = 0  # batches left uncompacted because compacting them raised
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """Row positions to free from a request's row once its prefill of ``seq_len``
+    tokens is committed: ``holes`` (never computed, must go) and ``drop``
+    (decode-time compression), each sorted, all in ``[prefix_len, seq_len)``."""
+
+    seq_len: int
+    holes: torch.Tensor
+    drop: torch.Tensor
+
+    def removed(self) -> torch.Tensor:
+        """``(d,)`` sorted unique row positions to free."""
+        return torch.cat([self.holes, self.drop]).unique()
+
+
+@dataclass(slots=True)
+class SavedRequestState:
+    mrope_positions: torch.Tensor | None
+    mrope_position_delta: torch.Tensor
+    skip_radix_cache_insert: bool
+
+
+def dropped_positions(budget: float, ranked: dict[Span, torch.Tensor]) -> torch.Tensor:
+    """``(d,)`` sorted row positions outside each image's top ``ceil(budget * n)``."""
+    drop = []
+    for (start, _end), ranking in ranked.items():
+        keep = torch.zeros(ranking.numel(), dtype=torch.bool)
+        keep[top_tokens(ranking, budget)] = True
+        drop.append((~keep).nonzero().flatten() + start)
+    if not drop:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat(drop).sort().values
+
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+class RowCompactor:
+    """Args:
+    budget: ``--mm-kv-budget``, the fraction of each image's tokens decode-time
+        compression keeps; None without decode-time compression.
+    holes: whether reused compressed segments leave holes (``--mm-compressed-reuse``).
+    """
+
+    def __init__(self, budget: float | None, holes: bool = False) -> None:
+        self.budget = budget
+        self.holes = holes
+        self.counters = RowCompactionCounters()
+        self._pending: dict[int, RowPlan] = {}  # req_to_token row -> plan
+        self._saved: dict[str, SavedRequestState] = {}  # rid -> state to restore
+
+    def plan_holes(self, forward_batch, plans: list[RequestPlan]) -> None:
+        """Remember the holes of every request of this extend that has some."""
+        for plan in plans:
+            holes = plan.hole_mask().nonzero().flatten() + plan.prefix_len
+            if holes.numel():
+                self._plan_row(forward_batch, plan, holes=holes)
+
+    def plan(
+        self, forward_batch, plans: list[RequestPlan], ranked: dict[int, dict[Span, torch.Tensor]]
+    ) -> None:
+        """Remember which positions decode-time compression drops from each ranked
+        request of this extend."""
+        if self.budget is None:
+            return
+        for plan in plans:
+            drop = dropped_positions(self.budget, ranked.get(plan.index, {}))
+            if drop.numel():
+                self._plan_row(forward_batch, plan, drop=drop)
+
+    def _plan_row(self, forward_batch, plan: RequestPlan, holes=_EMPTY, drop=_EMPTY) -> None:
+        row = int(forward_batch.req_pool_indices[plan.index])
+        old = self._pending.get(row)
+        if old is not None and old.seq_len == plan.seq_len:
+            holes, drop = torch.cat([old.holes, holes]), torch.cat([old.drop, drop])
+        self._pending[row] = RowPlan(plan.seq_len, holes.sort().values, drop.sort().values)
+
+    def compact(self, batch, req_to_token_pool, allocator) -> None:
+        """After ``batch``'s forward: bar every planned request from the tree and shrink
+        its row (a row with holes always; a decode-compressed one only if it will
+        decode). If compacting raises, the rows with holes are aborted (their holes
+        hold no KV) and the others are left whole."""
+        pending, self._pending = self._pending, {}
+        fault_point("row_compaction")
+        if not pending:
+            return
+        planned = [
+            (i, req, pending[req.kv.req_pool_idx])
+            for i, req in enumerate(batch.reqs)
+            if req.kv.req_pool_idx in pending
+        ]
+        shrunk = set()
+        try:
+            for i, req, plan in planned:
+                if self._shrinks(req, plan):
+                    self._shrink(batch, i, req, plan, req_to_token_pool, allocator)
+                    shrunk.add(i)
+                else:
+                    self.counters.skipped_requests += 1
+        except Exception:
+            for i, req, plan in planned:
+                if plan.holes.numel() and i not in shrunk:
+                    req.set_finish_with_abort("sgl_mmkv: compacting a reused row failed")
+                    self.counters.aborted_requests += 1
+            raise
+
+    def _shrinks(self, req, plan: RowPlan) -> bool:
+        """Whether ``req``'s row is shrunk by ``plan`` now (and kept out of the tree)."""
+        if req.multimodal_inputs is None or req.is_retracted or req.finished():
+            return False
+        if req.kv.kv_committed_len != plan.seq_len or req.inflight_middle_chunks > 0:
+            return False
+        if plan.holes.numel():
+            return True
+        # decode-time compression leaves a request that stops at its first token to the tree
+        return req.sampling_params.max_new_tokens > 1
+
+    def _shrink(self, batch, i: int, req, plan: RowPlan, req_to_token_pool, allocator) -> None:
+        mm = req.multimodal_inputs
+        if req.rid not in self._saved:
+            self._saved[req.rid] = SavedRequestState(
+                mm.mrope_positions, mm.mrope_position_delta, req.skip_radix_cache_insert
+            )
+        req.skip_radix_cache_insert = True
+        removed = plan.removed()
+        table = req_to_token_pool.req_to_token
+        row = table[req.kv.req_pool_idx]
+        length, d = plan.seq_len, int(removed.numel())
+        kept = torch.ones(length, dtype=torch.bool)
+        kept[removed] = False
+        kept = kept.to(row.device)
+        allocator.free(row[:length][~kept].to(torch.int64))
+        row[: length - d] = row[:length][kept].clone()
+        req.kv.kv_committed_len -= d
+        req.kv.kv_allocated_len -= d
+        batch.seq_lens = batch.seq_lens.clone()
+        batch.seq_lens[i] -= d
+        batch.seq_lens_cpu = batch.seq_lens_cpu.clone()
+        batch.seq_lens_cpu[i] -= d
+        if batch.orig_seq_lens is not None:
+            batch.orig_seq_lens = batch.orig_seq_lens.clone()
+            batch.orig_seq_lens[i] -= d
+        batch.seq_lens_sum = None
+        mm.mrope_position_delta = mm.mrope_position_delta + d
+        mm.mrope_position_delta_repeated_cache = None
+        mm.mrope_positions = None  # decode must derive positions from the delta
+        holes = int(plan.holes.numel())
+        if holes:
+            self.counters.holed_requests += 1
+            self.counters.hole_tokens += holes
+        if d > holes:
+            self.counters.compressed_requests += 1
+            self.counters.freed_tokens += d - holes
+
+    def abandon(self) -> None:
+        """Compact nothing that is planned (the batch's forward failed and ran again
+        as stock, which computed every row position)."""
+        self._pending.clear()
+
+    def restore(self, req) -> None:
+        """Put back the request's M-RoPE state and tree flag (its row is released)."""
+        saved = self._saved.pop(req.rid, None)
+        if saved is None:
+            return
+        mm = req.multimodal_inputs
+        if mm is not None:
+            mm.mrope_positions = saved.mrope_positions
+            mm.mrope_position_delta = saved.mrope_position_delta
+            mm.mrope_position_delta_repeated_cache = None
+        req.skip_radix_cache_insert = saved.skip_radix_cache_insert

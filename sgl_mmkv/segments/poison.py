@@ -1,0 +1,25 @@
+"""Test aid: overwrite KV slots with NaN when they stop holding KV.
+
+A server started with ``SGL_MMKV_POISON_FREED=1`` writes NaN into every layer's K
+and V at slots the segment store frees and at the holes of reused rows, so a test
+can require finite outputs: any read of such a slot would spread NaN into them.
+Without the variable (every real deployment) a call costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+POISON_ENV = "SGL_MMKV_POISON_FREED"
+
+
+def poison_slots(kv_pool, slots: torch.Tensor) -> None:
+    """Write NaN into K and V of ``slots`` ``(n,)`` in every layer, if asked for."""
+    if os.environ.get(POISON_ENV) != "1" or slots.numel() == 0:
+        return
+    for layer in range(kv_pool.layer_num):
+        index = slots.to(kv_pool.get_key_buffer(layer).device, torch.long)
+        kv_pool.get_key_buffer(layer)[index] = float("nan")
+        kv_pool.get_value_buffer(layer)[index] = float("nan")
