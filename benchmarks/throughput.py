@@ -50,13 +50,28 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _known_mode(mode: str) -> bool:
+    """``MODE``, ``MODE+EVICT`` or ``MODE+EVICT@R`` with a kept fraction R in (0, 1]."""
+    name, _, kept = mode.partition("@")
+    reuse, _, evict = name.partition("+")
+    if reuse not in REUSE_MODES or evict not in ("", *EVICTION_POLICIES):
+        return False
+    if not kept:
+        return True
+    try:
+        return bool(evict) and 0.0 < float(kept) <= 1.0
+    except ValueError:
+        return False
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument(
         "--modes",
         default="conduit",
-        help="comma list of --mm-reuse modes, each optionally +EVICT (conduit+aircache)",
+        help="comma list of --mm-reuse modes, each optionally +EVICT (conduit+aircache) "
+        "and a kept fraction @R (conduit+snapkv@0.25)",
     )
     parser.add_argument("--mm-refresh-budget", type=float, default=0.1)
     parser.add_argument(
@@ -83,16 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/throughput"))
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [
-        m
-        for m in modes
-        if m.partition("+")[0] not in REUSE_MODES
-        or m.partition("+")[2] not in ("", *EVICTION_POLICIES)
-    ]
+    unknown = [m for m in modes if not _known_mode(m)]
     if unknown:
         parser.error(
             f"unknown mode(s) {unknown}; choose from {', '.join(REUSE_MODES)}, "
-            f"optionally +{{{','.join(EVICTION_POLICIES)}}}"
+            f"optionally +{{{','.join(EVICTION_POLICIES)}}}[@R]"
         )
     args.modes = modes
     return args
