@@ -222,6 +222,7 @@ def test_meta_info_reports_the_segment_hit_of_a_changed_system_prompt(stock, con
         "method": "conduit",
         "reused_segments": 1,
         "reused_tokens": per_image,
+        "hole_tokens": 0,
         "refreshed_tokens": per_image,
         "recomputed_tokens": second["prompt_tokens"] - second["cached_tokens"],
     }

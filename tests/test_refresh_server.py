@@ -153,6 +153,7 @@ def test_meta_info_reports_reused_and_refreshed_tokens(server, tiny_vlm):
         "method": "conduit",
         "reused_segments": 1,
         "reused_tokens": TOKENS_PER_IMAGE,
+        "hole_tokens": 0,
         "refreshed_tokens": TOKENS_PER_IMAGE,
         "recomputed_tokens": second["prompt_tokens"] - second["cached_tokens"],
     }

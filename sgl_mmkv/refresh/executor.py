@@ -36,22 +36,20 @@ import torch
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from sgl_mmkv.counters import Counters
-from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
 from sgl_mmkv.refresh.cost import refresh_rows, reuse_flops, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, embedding_pass
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.flops import DecoderShape
+from sgl_mmkv.refresh.kv_copy import SegmentCopier
 from sgl_mmkv.refresh.observer import PrefillObserver, observing
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.ranker import Span, VisualRanker
-from sgl_mmkv.refresh.rotary import rope_rates_of
 from sgl_mmkv.refresh.row_kv import row_kv
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.refresh.sub_batch import active_sub_batch, needs_every_row
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
-from sgl_mmkv.segments.poison import poison_slots
 from sgl_mmkv.segments.store import SegmentStore
 
 if TYPE_CHECKING:
@@ -134,8 +132,7 @@ class RefreshExecutor:
         self.on_forward = on_forward
         compress_budget = ranker.budget if ranker is not None and compress_on_fill else None
         self.filler = SegmentFiller(store, self.counters, fill_policy, compress_budget)
-        # the model's RoPE rates, or why it cannot be re-positioned (looked up once)
-        self._rates: torch.Tensor | NotImplementedError | None = None
+        self._copier = SegmentCopier()
         self._shape: DecoderShape | None = None
         # What a stock fallback of the current forward can use (execute_extend).
         self._stock_out = None
@@ -209,7 +206,7 @@ class RefreshExecutor:
         self.counters.plan_seconds += started - planning
         self._views = [RowView.of(p) for p in plans]
         with self._phase("copy"):
-            self._copy_segments(model_runner, forward_batch, plans)
+            self._copier.copy(model_runner, forward_batch, plans)
         fault_point("copy")
         fresh = [p.fresh_mask() for p in plans]
         embeddings = EmbeddingPass(
@@ -401,7 +398,7 @@ class RefreshExecutor:
                 fresh_values=fresh_v,
             )
             selected.append(self._expand(plan, self.scorer.select(inputs, self.budget).cpu()))
-        self._copy_segments(model_runner, forward_batch, plans)
+        self._copier.copy(model_runner, forward_batch, plans)
         return selected
 
     @staticmethod
@@ -448,46 +445,6 @@ class RefreshExecutor:
         """Row positions of a scorer's ``selected`` (indices of the compacted row)."""
         view = self._views[plan.index]
         return selected if view is None else view.expand(selected)
-
-    # -- KV movement ---------------------------------------------------------------------
-
-    def _copy_segments(self, model_runner, forward_batch, plans) -> None:
-        """Rotated copies of every reused span into the request's slots, all layers."""
-        if self._rates is None:
-            try:
-                self._rates = rope_rates_of(model_runner.model)
-            except NotImplementedError as refused:
-                self._rates = refused
-        if isinstance(self._rates, NotImplementedError):
-            raise self._rates
-        src, dst, delta = [], [], []
-        req_to_token = model_runner.req_to_token_pool.req_to_token
-        for plan in plans:
-            pool_index = forward_batch.req_pool_indices[plan.index]
-            row = req_to_token[pool_index]
-            holes = plan.hole_mask().nonzero().flatten() + plan.prefix_len
-            poison_slots(model_runner.token_to_kv_pool, row[holes.to(row.device)])
-            for span in plan.spans:
-                src.append(span.source_slots())
-                dst.append(row[span.reused_positions().to(row.device)])
-                delta.append(torch.full((span.num_reused,), span.delta, dtype=torch.long))
-        if not src:
-            return
-        pool = model_runner.token_to_kv_pool
-        device = pool.get_key_buffer(0).device
-        src_loc = torch.cat(src).to(device)
-        dst_loc = torch.cat(dst).to(device, torch.long)
-        deltas = torch.cat(delta).to(device)
-        inv_freq = self._rates.to(device)
-        for layer in range(pool.layer_num):
-            gather_rotate_kv(
-                pool.get_key_buffer(layer),
-                pool.get_value_buffer(layer),
-                src_loc,
-                dst_loc,
-                deltas,
-                inv_freq,
-            )
 
     def _decline_costly_reuse(self, plans: list[RequestPlan]) -> None:
         """Requests whose reuse would compute at least their full prefill lose their
