@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/fidelity"))
     args = parser.parse_args(argv)
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the server
     prepare_cpu_process()
     modes = [m for m in args.modes.split(",") if m]
     scenarios = [s for s in args.scenarios.split(",") if s]
