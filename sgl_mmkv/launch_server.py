@@ -9,6 +9,9 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
     --mm-kv-budget R                     fraction of a segment's tokens kept when compressed
     --mm-compress-at {pressure,fill,decode}  when a scored segment is compressed
     --mm-reuse-gate {cost,always}        skip reuse that would cost more than a full prefill
+    --mm-segment-storage {none,file,...} L3 storage of segments, shared between instances
+    --mm-segment-storage-dir PATH        the file backend's directory
+    --mm-segment-storage-config JSON     the backend's extra_config
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                 flag,
                 type=type(spec.default),
                 default=spec.default,
-                metavar="R",
+                metavar=spec.metadata.get("metavar") or "R",
                 help=f"{what} (default %(default)s)",
             )
     parser.add_argument("-h", "--help", action="store_true")
