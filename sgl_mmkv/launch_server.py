@@ -141,6 +141,23 @@ def apply_device_defaults(sglang_argv: list[str], cuda: bool) -> list[str]:
     return argv
 
 
+def check_segment_storage(config: MMKVConfig) -> None:
+    """Open the ``--mm-segment-storage`` backend once before the server starts, so a
+    backend that cannot be created or does not keep tensors exits with one line.
+
+    Raises:
+        StorageError: as :func:`sgl_mmkv.segments.storage.open_storage`.
+    """
+    from sgl_mmkv.segments.storage import KVFingerprint, open_storage
+
+    open_storage(
+        config.mm_segment_storage,
+        KVFingerprint("launcher probe", "", 0, 0, 0, 0),
+        config.mm_segment_storage_dir or None,
+        config.storage_extra_config(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -175,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             check_sglang_version()
             verify_hooks()
         check_server_args(config, server_args)
+        if config.uses_segment_storage:
+            check_segment_storage(config)
     except (ConfigError, RuntimeError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

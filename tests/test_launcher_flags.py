@@ -232,3 +232,26 @@ def test_storage_backend_names_come_from_sglang_factory():
         check_storage_backend(name)
     with pytest.raises(ConfigError, match="'nosuch' is unknown; choose none or one of .*file"):
         check_storage_backend("nosuch")
+
+
+@pytest.mark.parametrize(
+    "backend, message",
+    [
+        ("sim", "--mm-segment-storage sim: SimHiCacheStorage returned other bytes"),
+        ("nosuch", "--mm-segment-storage 'nosuch' is unknown; choose none or one of"),
+    ],
+)
+def test_cli_refuses_a_storage_backend_that_cannot_keep_segments(
+    tiny_vlm, tmp_path, backend, message
+):
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", str(tiny_vlm)]
+        + ["--mm-reuse", "conduit", "--mm-segment-storage", backend]
+        + ["--mm-segment-storage-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -65,7 +65,7 @@ def assert_same(a: StoredSegment, b: StoredSegment) -> None:
 def test_round_trip_through_sglang_file_backend_is_bit_exact(storage, tmp_path, compressed, dtype):
     original = stored(compressed=compressed, dtype=dtype)
     assert storage.save(key(), original)
-    assert len(files(tmp_path)) == 2  # header and payload
+    assert len(files(tmp_path)) == 3  # the start-up probe, header and payload
     loaded = storage.load(key())
     assert_same(original, loaded)
     c = storage.counters
@@ -182,6 +182,25 @@ def test_unknown_backend_is_a_clear_start_up_error():
     assert {"file", "mooncake", "hf3fs", "nixl"} <= set(storage_backends())
     with pytest.raises(StorageError, match="--mm-segment-storage nosuch"):
         open_storage("nosuch", FINGERPRINT)
+
+
+@pytest.mark.parametrize("backend", ["sim", "hf3fs", "nixl", "mooncake"])
+def test_a_backend_without_tensor_get_set_is_refused_at_start(tmp_path, backend):
+    """SGLang 0.5.23's sim keeps no data; mooncake, hf3fs and nixl cannot be created
+    here or lack the tensor API: each is one clear error, never a server that drops
+    every write."""
+    with pytest.raises(StorageError, match=f"--mm-segment-storage {backend}: "):
+        open_storage(backend, FINGERPRINT, directory=str(tmp_path))
+
+
+def test_probe_is_written_once_and_checked_again(tmp_path):
+    open_storage("file", FINGERPRINT, directory=str(tmp_path))
+    open_storage("file", FINGERPRINT, directory=str(tmp_path))
+    assert len(files(tmp_path)) == 1
+    probe = tmp_path / files(tmp_path)[0]
+    probe.write_bytes(b"\0" * 64)
+    with pytest.raises(StorageError, match="other bytes than were stored"):
+        open_storage("file", FINGERPRINT, directory=str(tmp_path))
 
 
 def test_header_is_fixed_size(storage, tmp_path):

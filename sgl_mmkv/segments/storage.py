@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -112,6 +113,8 @@ class StorageCounters(Counters):
     write_failed: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    load_seconds: float = 0.0  # inside forwards: lookups, reads, checksums
+    write_seconds: float = 0.0  # inside forwards: checksums, writes
 
 
 def key_fields(key: SegmentKey) -> dict[str, Any]:
@@ -204,6 +207,13 @@ class SegmentStorage:
 
     def save(self, key: SegmentKey, stored: StoredSegment) -> bool:
         """Write ``stored`` under ``key`` unless present. Returns True if it is stored now."""
+        started = time.perf_counter()
+        try:
+            return self._save(key, stored)
+        finally:
+            self.counters.write_seconds += time.perf_counter() - started
+
+    def _save(self, key: SegmentKey, stored: StoredSegment) -> bool:
         name = self.entry_name(key)
         try:
             if self.backend.exists(name + "_h"):
@@ -246,6 +256,13 @@ class SegmentStorage:
     def load(self, key: SegmentKey) -> StoredSegment | None:
         """The stored segment of ``key``, or None (missing, corrupt, foreign, or the
         backend failed; each counted)."""
+        started = time.perf_counter()
+        try:
+            return self._load(key)
+        finally:
+            self.counters.load_seconds += time.perf_counter() - started
+
+    def _load(self, key: SegmentKey) -> StoredSegment | None:
         self.counters.lookups += 1
         name = self.entry_name(key)
         try:
@@ -323,6 +340,35 @@ class SegmentStorage:
         self.counters.errors += 1
         logger.warning("sgl_mmkv: L3 segment storage %s failed (%r)", what, error)
 
+    def check(self) -> None:
+        """Write (once per storage) and read back a fixed probe object.
+
+        SGLang's backends share one interface, but in 0.5.23 only some implement its
+        tensor ``get`` / ``set`` (``file`` does; ``mooncake`` is zero-copy only,
+        ``hf3fs`` and ``nixl`` moved to page batches, ``sim`` keeps no data).
+
+        Raises:
+            StorageError: the probe did not round-trip.
+        """
+        probe = torch.frombuffer(bytearray(hashlib.sha256(MAGIC).digest() * 2), dtype=torch.uint8)
+        try:
+            if not self.backend.exists(_PROBE) and not self.backend.set(_PROBE, probe):
+                raise StorageError("writing a probe object failed")
+            got = self._read(_PROBE, int(probe.numel()))
+        except Exception as error:
+            raise StorageError(
+                f"{type(self.backend).__name__} does not store and return tensors through "
+                f"HiCacheStorage.get / set ({error}); segment storage is tested with file"
+            ) from error
+        if got != probe.numpy().tobytes():
+            raise StorageError(
+                f"{type(self.backend).__name__} returned other bytes than were stored "
+                "for a probe object; segment storage is tested with file"
+            )
+
+
+_PROBE = "sgl_mmkv_probe"
+
 
 class _Corrupt(Exception):
     """An entry that is not what its header says."""
@@ -335,10 +381,12 @@ def open_storage(
     extra_config: dict[str, Any] | None = None,
 ) -> SegmentStorage:
     """A :class:`SegmentStorage` over SGLang's backend ``backend_name``, made by its
-    ``StorageBackendFactory`` (``file``: ``directory`` is its ``file_storage_path``).
+    ``StorageBackendFactory`` (``file``: ``directory`` is its ``file_storage_path``),
+    checked by a probe round trip (:meth:`SegmentStorage.check`).
 
     Raises:
-        StorageError: the factory does not know the backend or could not create it.
+        StorageError: the factory does not know the backend or could not create it, or
+            it does not store and return tensors.
     """
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -366,7 +414,12 @@ def open_storage(
             f"--mm-segment-storage {backend_name}: SGLang's storage factory could not "
             f"create it ({error})"
         ) from error
-    return SegmentStorage(backend, fingerprint)
+    storage = SegmentStorage(backend, fingerprint)
+    try:
+        storage.check()
+    except StorageError as error:
+        raise StorageError(f"--mm-segment-storage {backend_name}: {error}") from error
+    return storage
 
 
 def storage_backends() -> list[str]:
