@@ -13,7 +13,11 @@ streaming, one output token:
 - ``B from memory``: the same images under a third system prompt (store hits);
 - ``B computes``: new images (a full prefill, written through).
 
-Prints each request's TTFT and the medians, and writes ``l3_ttft.json`` / ``.md``.
+Prints each request's TTFT and the medians, with what each group of requests spent
+in the L3 tier (storage ``load_seconds`` / ``write_seconds``) and building image
+embeddings (``embedding_seconds``: the vision tower, which a refresh needs), from the
+server's counters; writes ``l3_ttft.json`` / ``.md``. Server logs go to a temporary
+directory.
 """
 
 from __future__ import annotations
@@ -57,14 +61,35 @@ def _request(label: str, system: str, seeds: list[int], size: int) -> BenchReque
     return BenchRequest(label, len(seeds), messages, uid=system)
 
 
-def _timed(server: ServerProcess, requests: list[BenchRequest]) -> list[float]:
-    """TTFT in ms of each request, sent one at a time."""
+SPENT = (
+    ("storage", "load_seconds"),
+    ("storage", "write_seconds"),
+    ("refresh", "embedding_seconds"),
+)
+
+
+def _spent(server: ServerProcess) -> dict[str, float]:
+    stats = mmkv_stats(server.base_url)
+    return {name: float(stats.get(group, {}).get(name, 0.0)) for group, name in SPENT}
+
+
+def _timed(
+    server: ServerProcess,
+    requests: list[BenchRequest],
+    spent: dict[str, dict[str, float]],
+    run: str,
+) -> list[float]:
+    """TTFT in ms of each request, sent one at a time; ``spent[run]``: the server's
+    counter seconds (:data:`SPENT`) over these requests, in ms."""
+    before = _spent(server)
     out = []
     for request in requests:
         (result,) = run_requests(server.base_url, [request], concurrency=1, max_tokens=1)
         if not result.ok:
             raise RuntimeError(f"{request.uid}: {result.error}")
         out.append(result.ttft_s * 1000)
+    after = _spent(server)
+    spent[run] = {name: (after[name] - before[name]) * 1000 for name in after}
     return out
 
 
@@ -84,27 +109,30 @@ def main(argv: list[str] | None = None) -> int:
         [*shared, *flags]
     )
     runs: dict[str, list[float]] = {}
+    spent: dict[str, dict[str, float]] = {}
     stats: dict[str, dict] = {}
-    a = ServerProcess("sgl_mmkv.launch_server", model, [*flags, *shared], args.out_dir / "a.log")
+    logs = storage.parent
+    a = ServerProcess("sgl_mmkv.launch_server", model, [*flags, *shared], logs / "a.log")
     with a:
         a.start()
         runs["A computes (writes through)"] = _timed(
-            a, [_request("a", f"A reads set {i}.", s, size) for i, s in enumerate(seeds)]
+            a,
+            [_request("a", f"A reads set {i}.", s, size) for i, s in enumerate(seeds)],
+            spent,
+            "A computes (writes through)",
         )
         stats["A"] = mmkv_stats(a.base_url)
-    b = ServerProcess("sgl_mmkv.launch_server", model, [*flags, *shared], args.out_dir / "b.log")
+    b = ServerProcess("sgl_mmkv.launch_server", model, [*flags, *shared], logs / "b.log")
     with b:
         b.start()
         before = mmkv_stats(b.base_url)
-        runs["B from L3"] = _timed(
-            b, [_request("b", f"B asks about set {i}.", s, size) for i, s in enumerate(seeds)]
-        )
-        runs["B from memory"] = _timed(
-            b, [_request("c", f"C asks about set {i}.", s, size) for i, s in enumerate(seeds)]
-        )
-        runs["B computes (writes through)"] = _timed(
-            b, [_request("d", f"B reads new set {i}.", s, size) for i, s in enumerate(new_seeds)]
-        )
+        for run, system, sets in (
+            ("B from L3", "B asks about set {}.", seeds),
+            ("B from memory", "C asks about set {}.", seeds),
+            ("B computes (writes through)", "B reads new set {}.", new_seeds),
+        ):
+            requests = [_request(run, system.format(i), s, size) for i, s in enumerate(sets)]
+            runs[run] = _timed(b, requests, spent, run)
         stats["B_before"], stats["B"] = before, mmkv_stats(b.base_url)
     report = {
         "command": command,
@@ -117,15 +145,19 @@ def main(argv: list[str] | None = None) -> int:
         "image_size": size,
         "ttft_ms": runs,
         "median_ttft_ms": {name: statistics.median(v) for name, v in runs.items()},
+        "server_ms_per_run": spent,
+        "logs": str(logs),
         "storage": {side: stats[side].get("storage") for side in ("A", "B_before", "B")},
         "refresh_B": stats["B"].get("refresh"),
     }
     (args.out_dir / "l3_ttft.json").write_text(json.dumps(report, indent=2))
     lines = [
-        "| run | median TTFT ms | each request, ms |",
-        "|---|---|---|",
+        "| run | median TTFT ms | each request, ms | L3 load ms | L3 write ms | embeddings ms |",
+        "|---|---|---|---|---|---|",
         *(
-            f"| {name} | {statistics.median(v):.0f} | {', '.join(f'{x:.0f}' for x in v)} |"
+            f"| {name} | {statistics.median(v):.0f} | {', '.join(f'{x:.0f}' for x in v)} | "
+            + " | ".join(f"{spent[name][n]:.0f}" for _, n in SPENT)
+            + " |"
             for name, v in runs.items()
         ),
     ]
