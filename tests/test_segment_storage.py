@@ -269,3 +269,39 @@ def test_store_without_storage_is_unchanged(tmp_path):
     store = SegmentStore(Allocator(64), Pool(64))
     segment = store.fill(key(), store.allocator.alloc(5), torch.arange(5)[None])
     assert not segment.persisted and store.lookup(key(8)) is None and os.listdir(tmp_path) == []
+
+
+def test_a_load_that_evicts_a_segment_planned_earlier_in_the_batch_drops_that_span(tmp_path):
+    """Request 1's L3 load needs the slots of request 0's planned segment: request 0
+    then computes its image fresh instead of copying freed slots."""
+    from types import SimpleNamespace
+
+    from sgl_mmkv.refresh.plan import plan_batch
+    from tests.test_segment_store import _item, _key, _mm
+
+    mrope = torch.arange(14).repeat(3, 1)
+    writer = make_store(tmp_path)
+    writer.fill(_key(22, 4), writer.allocator.alloc(4), mrope[:, 3:7])
+    b = make_store(tmp_path, size=8)
+    b.fill(_key(11, 4), b.allocator.alloc(4), mrope[:, 3:7])
+    b.allocator.alloc(4)  # the batch's own rows: the pool is full
+    batch = SimpleNamespace(
+        mm_inputs=[_mm([_item(11, 3, 6)], mrope), _mm([_item(22, 3, 6)], mrope)],
+        batch_size=2,
+        extend_prefix_lens_cpu=[2, 2],
+        extend_seq_lens_cpu=[12, 12],
+    )
+    plans = plan_batch(b, batch)
+    assert plans[0].spans == [] and plans[0].reused_tokens == 0
+    assert [(s.start, s.end, s.delta) for s in plans[1].spans] == [(3, 7, 0)]
+    assert b.counters.evictions == 1 and b.counters.loaded == 1
+    assert b.storage.counters.hits == 1
+
+
+def test_an_entry_whose_shapes_do_not_fit_the_fingerprint_is_never_read(storage):
+    """Checked from the header alone, before the payload is read or allocated."""
+    wrong = stored()
+    wrong.keys, wrong.values = torch.randn(3, 5, 2, 4), torch.randn(3, 5, 2, 4)  # 3 layers
+    assert storage.save(key(), wrong)
+    assert storage.load(key()) is None
+    assert (storage.counters.corrupt, storage.counters.bytes_read) == (1, 0)

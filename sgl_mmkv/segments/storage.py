@@ -276,10 +276,13 @@ class SegmentStorage:
                 self.counters.mismatched += 1
                 self.counters.misses += 1
                 return None
+            layout = self._layout(fields)
+            if sum(size for _, _, size in layout) != fields.get("payload_bytes"):
+                raise _Corrupt("payload size does not match its shapes")
             payload = self._read(name + "_p", int(fields["payload_bytes"]))
-            if hashlib.sha256(payload).hexdigest() != fields["sha256"]:
+            if hashlib.sha256(payload).hexdigest() != fields.get("sha256"):
                 return self._corrupt(name, "payload checksum")
-            stored = self._unpack(fields, payload)
+            stored = self._unpack(fields, layout, payload)
         except _Corrupt as error:
             return self._corrupt(name, str(error))
         except Exception as error:
@@ -301,31 +304,53 @@ class SegmentStorage:
             raise _Corrupt(f"{name}: missing or wrong size")
         return got.contiguous().view(torch.uint8).numpy().tobytes()
 
-    def _unpack(self, fields: dict, payload: bytes) -> StoredSegment:
-        """The tensors of ``payload`` as laid out by :meth:`save`."""
+    def _layout(self, fields: dict) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+        """``(shape, dtype, bytes)`` of each payload tensor the header describes, checked
+        against this server's fingerprint before anything is read (:class:`_Corrupt`)."""
+        fp = self.fingerprint
         try:
             dtype = _dtype(fields["dtype"])
-            shapes: list[tuple[list[int], torch.dtype]] = [(fields["positions"], torch.long)]
-            if fields["kept"] is not None:
-                shapes.append(([int(fields["kept"])], torch.long))
+            positions = tuple(int(d) for d in fields["positions"])
+            k_shape = tuple(int(d) for d in fields["k_shape"])
+            v_shape = tuple(int(d) for d in fields["v_shape"])
+            n, m = positions[1], k_shape[1]
+            kept = fields["kept"]
+            shapes = [(positions, torch.long)]
+            if kept is not None:
+                shapes.append(((int(kept),), torch.long))
             if fields["ranking"]:
-                shapes.append(([int(fields["positions"][1])], torch.float32))
-            shapes += [(fields["k_shape"], dtype), (fields["v_shape"], dtype)]
-            tensors, offset = [], 0
-            for shape, kind in shapes:
-                count = 1
-                for dim in shape:
-                    count *= int(dim)
-                size = count * torch.empty(0, dtype=kind).element_size()
-                chunk = bytearray(payload[offset : offset + size])
-                if len(chunk) != size:
-                    raise _Corrupt("payload shorter than its shapes")
-                tensors.append(torch.frombuffer(chunk, dtype=kind).reshape(shape))
-                offset += size
-            if offset != len(payload):
-                raise _Corrupt("payload longer than its shapes")
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as error:
+                shapes.append(((n,), torch.float32))
+            shapes += [(k_shape, dtype), (v_shape, dtype)]
+        except (KeyError, TypeError, ValueError, IndexError) as error:
             raise _Corrupt(f"bad layout ({error!r})") from error
+        if (
+            len(positions) != 2
+            or k_shape != (fp.layers, m, fp.heads, fp.head_dim)
+            or v_shape != (fp.layers, m, fp.heads, fp.v_head_dim)
+            or m != (n if kept is None else kept)
+            or min(*positions, m) < 0
+        ):
+            raise _Corrupt(f"shapes {positions} {k_shape} {v_shape} do not fit the fingerprint")
+        out = []
+        for shape, kind in shapes:
+            count = 1
+            for dim in shape:
+                count *= dim
+            out.append((shape, kind, count * torch.empty(0, dtype=kind).element_size()))
+        return out
+
+    @staticmethod
+    def _unpack(fields: dict, layout, payload: bytes) -> StoredSegment:
+        """The tensors of ``payload`` as laid out by :meth:`save` (``layout``: :meth:`_layout`)."""
+        tensors, offset = [], 0
+        for shape, kind, size in layout:
+            chunk = bytearray(payload[offset : offset + size])
+            if len(chunk) != size:
+                raise _Corrupt("payload shorter than its shapes")
+            tensors.append(torch.frombuffer(chunk, dtype=kind).reshape(shape))
+            offset += size
+        if offset != len(payload):
+            raise _Corrupt("payload longer than its shapes")
         kept = tensors[1] if fields["kept"] is not None else None
         ranking = tensors[-3] if fields["ranking"] else None
         return StoredSegment(tensors[0], kept, ranking, tensors[-2], tensors[-1])
