@@ -305,3 +305,25 @@ def test_an_entry_whose_shapes_do_not_fit_the_fingerprint_is_never_read(storage)
     assert storage.save(key(), wrong)
     assert storage.load(key()) is None
     assert (storage.counters.corrupt, storage.counters.bytes_read) == (1, 0)
+
+
+def test_two_instances_writing_one_image_at_once_never_mix_payloads(storage, tmp_path):
+    """Interleaved as A payload, B payload, A header, B header (skipped: present)."""
+    from sgl_mmkv.segments.storage import _encode_header
+
+    other = open_storage("file", FINGERPRINT, directory=str(tmp_path))
+    first, second = stored(), stored()
+    second.keys = second.keys + 1  # B computed the image under another prefix
+    writes = []
+    for instance, content in ((storage, first), (other, second)):
+        payload = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in
+                             (content.positions, content.keys, content.values)])  # fmt: skip
+        fields = instance._header_fields(key(), content, payload)
+        writes.append((instance, fields, payload))
+    name = storage.entry_name(key())
+    for instance, fields, payload in writes:
+        assert instance.backend.set(fields["payload"], payload)
+    for instance, fields, _ in writes:
+        assert instance.backend.set(name + "_h", _encode_header(fields))
+    assert_same(first, other.load(key()))
+    assert other.counters.corrupt == 0

@@ -8,14 +8,18 @@ entry is two backend objects:
 - ``<name>_h``: a header of :data:`HEADER_BYTES` bytes: magic, sha256 of its JSON,
   JSON length, then the JSON (format version, the full segment key, the KV
   fingerprint, tensor shapes and dtype, payload size and payload sha256);
-- ``<name>_p``: the payload: positions, kept indices, ranking, then every layer's K
-  and V of the kept tokens, as raw bytes.
+- ``<name>_p<sha256[:16]>``: the payload: positions, kept indices, ranking, then
+  every layer's K and V of the kept tokens, as raw bytes, named by its checksum (so
+  two instances writing one image at once never pair a header with the other's
+  payload).
 
 ``<name>`` is the sha256 of (format version, namespaced content key, fingerprint),
 so salts, extra keys, adapters, models, dtypes and KV layouts never share an entry;
 the header repeats key and fingerprint in full and a load checks them. The payload
 is written before the header, so a header implies a complete payload on backends
 whose writes are atomic per object (``file`` writes a temporary file, then renames).
+SGLang's interface has no delete, and ``file`` does not overwrite an object: a
+damaged entry stays a (counted) miss until it is removed from the storage.
 
 Nothing here raises into the server: a missing, truncated, corrupt or foreign entry,
 or a backend that raises, is a miss (counted); a failed write is counted and dropped.
@@ -221,12 +225,14 @@ class SegmentStorage:
                 return True
             parts = [_tensor_bytes(t) for t in _parts(stored)]
             payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-            header = _encode_header(self._header_fields(key, stored, payload))
+            fields = self._header_fields(key, stored, payload)
+            header = _encode_header(fields)
             if header is None:
                 self.counters.write_failed += 1
                 return False
             if not (
-                self.backend.set(name + "_p", payload) and self.backend.set(name + "_h", header)
+                self.backend.set(fields["payload"], payload)
+                and self.backend.set(name + "_h", header)
             ):
                 self.counters.write_failed += 1
                 return False
@@ -239,6 +245,7 @@ class SegmentStorage:
         return True
 
     def _header_fields(self, key, stored: StoredSegment, payload: torch.Tensor) -> dict:
+        digest = hashlib.sha256(payload.numpy()).hexdigest()
         return {
             "version": FORMAT_VERSION,
             "key": key_fields(key),
@@ -250,7 +257,8 @@ class SegmentStorage:
             "k_shape": list(stored.keys.shape),
             "v_shape": list(stored.values.shape),
             "payload_bytes": int(payload.numel()),
-            "sha256": hashlib.sha256(payload.numpy()).hexdigest(),
+            "sha256": digest,
+            "payload": _payload_name(self.entry_name(key), digest),
         }
 
     def load(self, key: SegmentKey) -> StoredSegment | None:
@@ -279,7 +287,9 @@ class SegmentStorage:
             layout = self._layout(fields)
             if sum(size for _, _, size in layout) != fields.get("payload_bytes"):
                 raise _Corrupt("payload size does not match its shapes")
-            payload = self._read(name + "_p", int(fields["payload_bytes"]))
+            if fields.get("payload") != _payload_name(name, str(fields.get("sha256"))):
+                raise _Corrupt("payload name does not match its checksum")
+            payload = self._read(fields["payload"], int(fields["payload_bytes"]))
             if hashlib.sha256(payload).hexdigest() != fields.get("sha256"):
                 return self._corrupt(name, "payload checksum")
             stored = self._unpack(fields, layout, payload)
@@ -393,6 +403,13 @@ class SegmentStorage:
 
 
 _PROBE = "sgl_mmkv_probe"
+
+
+def _payload_name(entry: str, digest: str) -> str:
+    """The payload object of entry ``entry``, named by its checksum: two instances that
+    write one image at once write two payloads, and the header that lands first names
+    its own (the other payload is left unused), never a mix of the two."""
+    return f"{entry}_p{digest[:16]}"
 
 
 class _Corrupt(Exception):
