@@ -1,11 +1,11 @@
 """Two ``--mm-reuse conduit`` instances sharing SGLang's ``file`` L3 storage, one machine.
 
 Instance A reads images and writes their segments through to the storage directory,
-then is stopped by PID. Instance B, started later on the same directory, has never
-seen them: it reuses them under a new prefix (loaded from storage), and at budget
-1.0 its answer equals a stock server's full prefill. Another ``cache_salt`` never
-loads A's segment; a truncated entry and a removed directory are misses, never
-failed requests. One server runs at a time.
+then is stopped by PID. Instance B (canonical fill), started later on the same
+directory, has never seen them: it reuses them under a new prefix (loaded from
+storage), and at budget 1.0 its answer equals a stock server's full prefill.
+Another ``cache_salt`` never loads A's segment; a truncated entry and a removed
+directory are misses, never failed requests. One server runs at a time.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def instance_b(tiny_vlm, shared):
-    args = _mmkv_args(shared["storage"])
+    """B fills new images canonically (A: ``first``), so both fill paths write through."""
+    args = [*_mmkv_args(shared["storage"]), "--mm-segment-fill", "canonical"]
     with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, shared["logs"] / "b.log") as b:
         yield b
 
@@ -140,6 +141,15 @@ def test_another_salt_never_loads_a_segment(instance_b):
     # the paired hit: A's own salt does load it
     assert _chat(instance_b, "Tenant A, in B.", Y, cache_salt="tenant-A")["reused"] == 16
     assert mmkv_stats(instance_b.base_url)["storage"]["hits"] == before + 1
+
+
+def test_b_writes_its_new_images_through_from_the_canonical_fill(instance_b, shared):
+    files_before = _entries(shared["storage"])
+    before = mmkv_stats(instance_b.base_url)["storage"]
+    assert _chat(instance_b, "B reads a new image.", make_image(1206))["reused"] == 0
+    after = mmkv_stats(instance_b.base_url)["storage"]
+    assert after["writes"] == before["writes"] + 1 and after["write_failed"] == 0
+    assert len(_entries(shared["storage"]) - files_before) == 2
 
 
 def test_a_truncated_entry_is_a_miss_not_an_error(instance_b, shared):
