@@ -63,6 +63,10 @@ REUSE_GATES: dict[str, str] = {
     "always": "reuse every matched image (to measure a method at any reuse ratio)",
 }
 DEFAULT_REUSE_GATE = "cost"
+# --mm-segment-storage: "none", or a backend name of SGLang's StorageBackendFactory
+# (checked against the factory once SGLang is imported: sgl_mmkv.support).
+NO_SEGMENT_STORAGE = "none"
+SEGMENT_STORAGE_METAVAR = "{none,file,mooncake,hf3fs,nixl,...}"
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
 
@@ -70,10 +74,10 @@ class ConfigError(ValueError):
     """A flag value sgl_mmkv cannot run with; the message says which and why."""
 
 
-def _flag(default, help: str, choices: dict[str, str] | None = None):
+def _flag(default, help: str, choices: dict[str, str] | None = None, metavar: str | None = None):
     """A config field that is also a launcher flag (``mm_kv_budget`` -> ``--mm-kv-budget``);
     the launcher builds its parser from these fields."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
 
 
 def flag_name(field_name: str) -> str:
@@ -108,6 +112,11 @@ class MMKVConfig:
         mm_reuse_gate: one of :data:`REUSE_GATES`.
         mm_report_reuse: whether reuse facts reach callers (per-request meta info,
             ``/get_server_info``); off by default, since they reveal other clients' images.
+        mm_segment_storage: ``none``, or the SGLang storage backend (``file``,
+            ``mooncake``, ...) segments are written through to and loaded from.
+        mm_segment_storage_dir: the ``file`` backend's directory.
+        mm_segment_storage_config: JSON object passed to the backend as SGLang's
+            ``extra_config`` (empty: none).
     """
 
     mm_reuse: str = _flag("off", "image KV reuse mode", REUSE_MODES)
@@ -145,6 +154,21 @@ class MMKVConfig:
         "sgl_mmkv's counters in /get_server_info; they tell a caller whether another "
         "client sent an image (off: only Prometheus metrics with --enable-metrics)",
     )
+    mm_segment_storage: str = _flag(
+        NO_SEGMENT_STORAGE,
+        "L3 tier below the segment store: none, or an SGLang HiCache storage backend "
+        "(its StorageBackendFactory names) that segments are written to and loaded from, "
+        "shared by every instance pointed at it",
+        metavar=SEGMENT_STORAGE_METAVAR,
+    )
+    mm_segment_storage_dir: str = _flag(
+        "", "directory of --mm-segment-storage file", metavar="PATH"
+    )
+    mm_segment_storage_config: str = _flag(
+        "",
+        "JSON object passed to the --mm-segment-storage backend as SGLang's extra_config",
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
         _require_choice("--mm-reuse", self.mm_reuse, REUSE_MODES)
@@ -168,6 +192,45 @@ class MMKVConfig:
         if self.mm_report_reuse and not self.uses_mmkv_cache:
             raise ConfigError("--mm-report-reuse needs --mm-reuse other than off")
         self._check_eviction()
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        name = self.mm_segment_storage
+        if not (isinstance(name, str) and name.replace("_", "").isalnum()):
+            raise ConfigError(f"--mm-segment-storage must be a backend name, got {name!r}")
+        if name != NO_SEGMENT_STORAGE and not self.uses_refresh:
+            raise ConfigError(
+                f"--mm-segment-storage {name} stores segments of the segment store and needs "
+                f"a refresh mode of --mm-reuse, not {self.mm_reuse}"
+            )
+        if name == NO_SEGMENT_STORAGE and (
+            self.mm_segment_storage_dir or self.mm_segment_storage_config
+        ):
+            raise ConfigError(
+                "--mm-segment-storage-dir and --mm-segment-storage-config need "
+                "--mm-segment-storage other than none"
+            )
+        if name == "file" and not self.mm_segment_storage_dir:
+            raise ConfigError("--mm-segment-storage file needs --mm-segment-storage-dir PATH")
+        self.storage_extra_config()
+
+    def storage_extra_config(self) -> dict:
+        """``--mm-segment-storage-config`` as a dict (empty when not given)."""
+        text = self.mm_segment_storage_config
+        if not text:
+            return {}
+        try:
+            value = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--mm-segment-storage-config is not JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"--mm-segment-storage-config must be a JSON object, got {text!r}")
+        return value
+
+    @property
+    def uses_segment_storage(self) -> bool:
+        """Whether segments are written to and loaded from an L3 storage backend."""
+        return self.mm_segment_storage != NO_SEGMENT_STORAGE
 
     def _check_eviction(self) -> None:
         _require_choice("--mm-evict", self.mm_evict, EVICTION_POLICIES)

@@ -9,6 +9,9 @@ Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
     --mm-kv-budget R                     fraction of a segment's tokens kept when compressed
     --mm-compress-at {pressure,fill,decode}  when a scored segment is compressed
     --mm-reuse-gate {cost,always}        skip reuse that would cost more than a full prefill
+    --mm-segment-storage {none,file,...} L3 storage of segments, shared between instances
+    --mm-segment-storage-dir PATH        the file backend's directory
+    --mm-segment-storage-config JSON     the backend's extra_config
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                 flag,
                 type=type(spec.default),
                 default=spec.default,
-                metavar="R",
+                metavar=spec.metadata.get("metavar") or "R",
                 help=f"{what} (default %(default)s)",
             )
     parser.add_argument("-h", "--help", action="store_true")
@@ -133,6 +136,23 @@ def apply_device_defaults(sglang_argv: list[str], cuda: bool) -> list[str]:
     return argv
 
 
+def check_segment_storage(config: MMKVConfig) -> None:
+    """Open the ``--mm-segment-storage`` backend once before the server starts, so a
+    backend that cannot be created or does not keep tensors exits with one line.
+
+    Raises:
+        StorageError: as :func:`sgl_mmkv.segments.storage.open_storage`.
+    """
+    from sgl_mmkv.segments.storage import KVFingerprint, open_storage
+
+    open_storage(
+        config.mm_segment_storage,
+        KVFingerprint("launcher probe", "", 0, 0, 0, 0),
+        config.mm_segment_storage_dir or None,
+        config.storage_extra_config(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -167,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             check_sglang_version()
             verify_hooks()
         check_server_args(config, server_args)
+        if config.uses_segment_storage:
+            check_segment_storage(config)
     except (ConfigError, RuntimeError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ cannot cover an allocation; ``reset`` (``flush_cache``) drops them with the pool
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 
@@ -35,6 +36,9 @@ from sgl_mmkv.segments.store import SegmentStore
 logger = logging.getLogger(__name__)
 
 ACTIVE_LOG_PREFIX = "sgl_mmkv: radix cache active"
+# The model's identity for the L3 storage fingerprint, recorded by the factory
+# (build_mmkv_radix_cache) from SGLang's ModelConfig before the cache is built.
+_model_identity: str = "unknown"
 
 
 class MMKVRadixCache(UnifiedRadixCache):
@@ -97,7 +101,25 @@ class MMKVRadixCache(UnifiedRadixCache):
             )
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         compress = config.mm_kv_budget if config.uses_scored_eviction else None
-        self.segment_store = SegmentStore(self.token_to_kv_pool_allocator, kv_pool, compress)
+        storage = None
+        if config.uses_segment_storage:
+            from sgl_mmkv.segments.storage import KVFingerprint, open_storage
+
+            storage = open_storage(
+                config.mm_segment_storage,
+                KVFingerprint.of_pool(kv_pool, _model_identity),
+                config.mm_segment_storage_dir or None,
+                config.storage_extra_config(),
+            )
+            logger.info(
+                "sgl_mmkv: segment storage %s dir=%r fingerprint=%s",
+                config.mm_segment_storage,
+                config.mm_segment_storage_dir,
+                storage.fingerprint,
+            )
+        self.segment_store = SegmentStore(
+            self.token_to_kv_pool_allocator, kv_pool, compress, storage
+        )
         ranker = None
         if config.uses_scored_eviction:
             from sgl_mmkv.refresh import ranker as ranking
@@ -187,6 +209,8 @@ class MMKVRadixCache(UnifiedRadixCache):
         groups = {"segments": self.segment_index.counters.as_dict()}
         if self.segment_store is not None:
             groups["store"] = self.segment_store.stats()
+            if self.segment_store.storage is not None:
+                groups["storage"] = self.segment_store.storage.counters.as_dict()
             groups["refresh"] = self.refresh_executor.counters.as_dict()
         if self.row_compactor is not None:
             groups["row_compaction"] = self.row_compactor.counters.as_dict()
@@ -239,4 +263,17 @@ def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:
             "positions by M-RoPE's per-request offset; "
             f"{ctx.model_config.hf_config.architectures} has no M-RoPE (use a Qwen2-VL-style model)"
         )
+    global _model_identity
+    _model_identity = model_identity(ctx.model_config)
     return create_unified_radix_cache(ctx, cache_class=MMKVRadixCache)
+
+
+def model_identity(model_config) -> str:
+    """``path@revision#<sha256 of the HF config>[:16]``: what must match for two servers
+    to share stored segments (with the KV dtype and layout, ``KVFingerprint``)."""
+    try:
+        text = model_config.hf_config.to_json_string()
+    except Exception:  # a config transformers cannot serialise: the path alone
+        text = ""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{model_config.model_path}@{getattr(model_config, 'revision', None)}#{digest}"

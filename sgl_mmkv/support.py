@@ -123,6 +123,20 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
         if refused:
             raise ConfigError(f"{mode} cannot run with {reason}")
     check_model(mode, args.model_path, config.compresses_at_decode)
+    if config.uses_segment_storage:
+        check_storage_backend(config.mm_segment_storage)
+
+
+def check_storage_backend(name: str) -> None:
+    """``name`` must be a backend of SGLang's ``StorageBackendFactory``."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    known = sorted(StorageBackendFactory._registry)
+    if name not in known:
+        raise ConfigError(
+            f"--mm-segment-storage {name!r} is unknown; choose none or one of "
+            f"SGLang's storage backends: {', '.join(known)}"
+        )
 
 
 def _model_config(model_path: str) -> dict:

@@ -72,6 +72,29 @@ def test_budget_is_parsed():
         ),
         (["--mm-reuse", "conduit", "--mm-reuse-gate", "never"], "--mm-reuse-gate 'never'"),
         (["--mm-reuse", "exact", "--mm-reuse-gate", "always"], "needs a refresh mode"),
+        (
+            ["--mm-reuse", "exact", "--mm-segment-storage", "file"],
+            "--mm-segment-storage file stores segments of the segment store and needs a refresh",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-segment-storage", "file"],
+            "needs --mm-segment-storage-dir",
+        ),
+        (["--mm-reuse", "conduit", "--mm-segment-storage", "a/b"], "must be a backend name"),
+        (
+            ["--mm-reuse", "conduit", "--mm-segment-storage-dir", "/tmp/x"],
+            "need --mm-segment-storage",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-segment-storage", "mooncake"]
+            + ["--mm-segment-storage-config", "[1]"],
+            "must be a JSON object",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-segment-storage", "mooncake"]
+            + ["--mm-segment-storage-config", "{bad"],
+            "--mm-segment-storage-config is not JSON",
+        ),
     ],
 )
 def test_bad_flags_raise_config_error(argv, message):
@@ -182,3 +205,53 @@ def test_every_registered_scorer_is_a_launcher_choice():
     usage = build_parser().format_usage().replace("\n", "").replace(" ", "")
     assert "--mm-reuse{off,exact," + ",".join(REFRESH_SCORERS) + "}" in usage
     assert "--mm-evict{lru," + ",".join(EVICTION_SCORERS) + "}" in usage
+
+
+def test_segment_storage_is_off_by_default_and_parsed():
+    config, argv = resolve_args(["--mm-reuse", "conduit"])
+    assert config.mm_segment_storage == "none" and not config.uses_segment_storage
+    config, argv = resolve_args(
+        ["--mm-reuse", "conduit", "--mm-segment-storage", "file"]
+        + [
+            "--mm-segment-storage-dir",
+            "/tmp/l3",
+            "--mm-segment-storage-config",
+            '{"max_size": "1G"}',
+        ]
+    )
+    assert config.uses_segment_storage and config.mm_segment_storage_dir == "/tmp/l3"
+    assert config.storage_extra_config() == {"max_size": "1G"}
+    assert not any(a.startswith("--mm-") for a in argv)
+    assert MMKVConfig.from_json(config.to_json()) == config
+
+
+def test_storage_backend_names_come_from_sglang_factory():
+    from sgl_mmkv.support import check_storage_backend
+
+    for name in ("file", "mooncake", "hf3fs", "nixl"):
+        check_storage_backend(name)
+    with pytest.raises(ConfigError, match="'nosuch' is unknown; choose none or one of .*file"):
+        check_storage_backend("nosuch")
+
+
+@pytest.mark.parametrize(
+    "backend, message",
+    [
+        ("sim", "--mm-segment-storage sim: SimHiCacheStorage returned other bytes"),
+        ("nosuch", "--mm-segment-storage 'nosuch' is unknown; choose none or one of"),
+    ],
+)
+def test_cli_refuses_a_storage_backend_that_cannot_keep_segments(
+    tiny_vlm, tmp_path, backend, message
+):
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", str(tiny_vlm)]
+        + ["--mm-reuse", "conduit", "--mm-segment-storage", backend]
+        + ["--mm-segment-storage-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -138,3 +138,5 @@ class SegmentFiller:
         finally:
             for segment in reserved:
                 segment.pinned = False
+        for segment in reserved:  # its KV is complete now: on to the L3 storage, if any
+            self.store.write_through(segment)

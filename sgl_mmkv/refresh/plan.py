@@ -190,10 +190,16 @@ def plan_request(
 
 
 def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
-    """One plan per request of an extend ``forward_batch`` (mm_inputs may be None)."""
+    """One plan per request of an extend ``forward_batch`` (mm_inputs may be None).
+    Only spans whose segment is still alive once every request is planned are kept."""
     mm_list = forward_batch.mm_inputs or [None] * forward_batch.batch_size
     prefix = forward_batch.extend_prefix_lens_cpu
     extend = forward_batch.extend_seq_lens_cpu
-    return [
+    plans = [
         plan_request(store, i, mm, int(prefix[i]), int(extend[i])) for i, mm in enumerate(mm_list)
     ]
+    # A later request's lookup may load a segment from L3 storage and evict one an
+    # earlier plan holds; those tokens are computed fresh instead.
+    for plan in plans:
+        plan.spans = [s for s in plan.spans if s.segment.alive]
+    return plans

@@ -12,6 +12,10 @@ by :meth:`SegmentStore.evict_lru` when the allocator runs short. With an
 eviction scorer (``--mm-evict``) segments are first *compressed*
 (:meth:`SegmentStore.compress_lru`): each keeps its top ``--mm-kv-budget`` tokens
 by the ranking computed when it was filled, and frees the rest.
+
+With an L3 tier (:mod:`sgl_mmkv.segments.storage`, ``--mm-segment-storage``) every
+new segment is written through to SGLang's storage backend, and a lookup that misses
+in memory loads the segment from there into fresh store slots.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from sgl_mmkv.counters import Counters
 from sgl_mmkv.scoring.base import top_tokens
 from sgl_mmkv.segments.key import SegmentKey
 from sgl_mmkv.segments.poison import poison_slots
+from sgl_mmkv.segments.storage import SegmentStorage, StoredSegment
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class Segment:
             ``None`` while the segment is whole (``m = n``).
         pinned: True while its KV is still being written (canonical fill): never
             evicted or compressed then.
+        persisted: True once its KV is in the L3 storage (written or loaded).
     """
 
     key: SegmentKey
@@ -54,6 +60,7 @@ class Segment:
     ranking: torch.Tensor | None = None
     kept: torch.Tensor | None = None
     pinned: bool = False
+    persisted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +95,7 @@ class StoreCounters(Counters):
     compressions: int = 0
     compressed_tokens: int = 0
     flushed: int = 0
+    loaded: int = 0  # segments loaded from the L3 storage (also counted in misses)
 
 
 class SegmentStore:
@@ -100,12 +108,20 @@ class SegmentStore:
             ``layer_num``).
         compress_budget: ``--mm-kv-budget`` when segments are ranked for scored
             eviction; None for whole-segment LRU.
+        storage: the L3 tier below the store, or None (``--mm-segment-storage none``).
     """
 
-    def __init__(self, allocator, kv_pool, compress_budget: float | None = None) -> None:
+    def __init__(
+        self,
+        allocator,
+        kv_pool,
+        compress_budget: float | None = None,
+        storage: SegmentStorage | None = None,
+    ) -> None:
         self.allocator = allocator
         self.kv_pool = kv_pool
         self.compress_budget = compress_budget
+        self.storage = storage
         self.counters = StoreCounters()
         self._segments: OrderedDict[SegmentKey, Segment] = OrderedDict()
         self._num_tokens = 0
@@ -122,12 +138,13 @@ class SegmentStore:
         return key in self._segments
 
     def lookup(self, key: SegmentKey) -> Segment | None:
-        """The live segment for ``key`` (marked most recently used), or None."""
+        """The live segment for ``key`` (marked most recently used), or None. A miss
+        in memory is looked up in the L3 storage, if any, and loaded from there."""
         self.counters.lookups += 1
         segment = self._segments.get(key)
         if segment is None:
             self.counters.misses += 1
-            return None
+            return self._load(key) if self.storage is not None else None
         self._segments.move_to_end(key)
         self.counters.hits += 1
         return segment
@@ -163,6 +180,61 @@ class SegmentStore:
             v = self.kv_pool.get_value_buffer(layer)
             k[slots] = k[src]
             v[slots] = v[src]
+        self.write_through(segment)
+        return segment
+
+    def write_through(self, segment: Segment) -> None:
+        """Write ``segment`` (its KV complete) to the L3 storage; a no-op without one,
+        or once persisted. A failed write is counted by the storage, never raised."""
+        if self.storage is None or segment.persisted or not segment.alive:
+            return
+        layers = range(self.kv_pool.layer_num)
+        try:
+            keys = torch.stack([self.kv_pool.get_key_buffer(i)[segment.slots] for i in layers])
+            values = torch.stack([self.kv_pool.get_value_buffer(i)[segment.slots] for i in layers])
+        except Exception as error:  # never fail the forward over the L3 copy
+            logger.warning("sgl_mmkv: reading a segment for L3 failed (%r)", error)
+            self.storage.counters.write_failed += 1
+            return
+        stored = StoredSegment(segment.positions, segment.kept, segment.ranking, keys, values)
+        segment.persisted = self.storage.save(segment.key, stored)
+
+    def _load(self, key: SegmentKey) -> Segment | None:
+        """``key``'s segment from the L3 storage, in fresh store slots, or None."""
+        stored = self.storage.load(key)
+        if stored is None:
+            return None
+        k0 = self.kv_pool.get_key_buffer(0)
+        v0 = self.kv_pool.get_value_buffer(0)
+        m = int(stored.keys.shape[1])
+        expected_k = (self.kv_pool.layer_num, m, *k0.shape[1:])
+        expected_v = (self.kv_pool.layer_num, m, *v0.shape[1:])
+        n = int(stored.positions.shape[-1])
+        kept_ok = (
+            stored.kept is None and m == n or stored.kept is not None and stored.kept.numel() == m
+        )
+        if (
+            tuple(stored.keys.shape) != expected_k
+            or tuple(stored.values.shape) != expected_v
+            or stored.keys.dtype != k0.dtype
+            or not kept_ok
+            or n != key.num_tokens
+        ):
+            self.storage.counters.mismatched += 1
+            return None
+        segment = self.reserve(key, m, stored.positions, stored.ranking)
+        if segment is None:
+            self.storage.counters.load_skipped += 1
+            return None
+        self.counters.fills -= 1  # loaded, not filled
+        self.counters.ranked_fills -= stored.ranking is not None
+        self.counters.loaded += 1
+        slots = segment.slots
+        for layer in range(self.kv_pool.layer_num):
+            self.kv_pool.get_key_buffer(layer)[slots] = stored.keys[layer].to(k0.device)
+            self.kv_pool.get_value_buffer(layer)[slots] = stored.values[layer].to(v0.device)
+        segment.kept = None if stored.kept is None else stored.kept.clone()
+        segment.persisted = True
         return segment
 
     def reserve(
