@@ -17,7 +17,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("refresh",),
     ("patches",),
     ("radix_cache",),
-    ("plugin", "launch_server", "frontend"),
+    ("plugin", "launch_server", "frontend", "routing"),
     ("testing",),
     ("benchmarking", "demo"),
 )
