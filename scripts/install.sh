@@ -25,6 +25,7 @@ fi
 import importlib.metadata as md
 import sglang, sgl_mmkv  # noqa: F401
 import datasets  # noqa: F401  (python -m sglang.benchmark.serving)
+import sglang_router  # noqa: F401  (SGLang's router: tests/test_routing_server.py)
 assert md.version("sglang") == "0.5.23", md.version("sglang")
 eps = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "sgl_mmkv"]
 assert eps, "sgl_mmkv's sglang.srt.plugins entry point is not installed"
