@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.testing.make_tiny_model import build_untrained
+from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
 from training.stale_reuse import CONTEXTS, TOKENS_PER_IMAGE, staleness_accuracy
 from training.staleness_tasks import VARIANT_NAMES, StaleExample, make_stale_example, stale_messages
 from training.train_fidelity_model import (
@@ -139,8 +139,9 @@ def training_batch(processor, examples: list[StaleExample], rng: random.Random) 
     return batch
 
 
-def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED) -> dict:
-    """Fine-tune (or train) for ``config.steps`` steps; the curve of full and reuse accuracy."""
+def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED, save: Path | None = None) -> dict:
+    """Fine-tune (or train) for ``config.steps`` steps; the curve of full and reuse accuracy.
+    ``save``: write the trained model there as a checkpoint with ``training.json``."""
     torch.set_num_threads(1)
     torch.manual_seed(config.seed)
     model, processor = load_model(config, checkpoint)
@@ -174,7 +175,29 @@ def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED) -> dict:
         loss = training_step(model, training_batch(processor, examples, rng), optimizer, schedule)
         if step % config.eval_every == 0 or step == config.steps:
             evaluate(step, round(loss.item(), 4))
-    return {"name": config.name, "config": asdict(config), "curve": curve}
+    result = {"name": config.name, "config": asdict(config), "curve": curve}
+    if save is not None:
+        save_model(model, config, checkpoint, save, result)
+    return result
+
+
+def save_model(model, config: ProbeConfig, checkpoint: Path, out: Path, result: dict) -> None:
+    """``model`` as a plain Qwen2-VL checkpoint, with the recipe and curve in ``training.json``."""
+    from transformers import AutoTokenizer
+
+    spec = replace(FIDELITY_SPEC, num_layers=config.layers)
+    model.eval()
+    save_checkpoint(model, AutoTokenizer.from_pretrained(checkpoint), "qwen2_vl", spec, out)
+    record = {
+        "arch": "qwen2_vl",
+        "spec": asdict(spec),
+        "style": f"staleness-{config.variant}",
+        "init_from": None if config.init == "scratch" else str(checkpoint),
+        "total_steps": config.steps,
+        "total_train_seconds": result["curve"][-1]["s"],
+        **result,
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def markdown(results: dict[str, dict]) -> str:
@@ -222,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=FIDELITY_SPEC.num_layers)
     parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
+    parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
     args = parser.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANT_NAMES))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANT_NAMES)}")
+    if args.save is not None and len(names) != 1:
+        parser.error("--save takes exactly one variant")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record_path = args.out_dir / "staleness_probes.json"
     results = json.loads(record_path.read_text()) if record_path.exists() else {}
@@ -245,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             args.init,
             args.layers,
         )
-        result = run_probe(config, args.checkpoint)
+        result = run_probe(config, args.checkpoint, args.save)
         result["command"] = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
         results[result["name"]] = result
         record_path.write_text(json.dumps(results, indent=2) + "\n")
