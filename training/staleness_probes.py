@@ -1,0 +1,284 @@
+"""Learning curves of full-prefill accuracy against plain-reuse accuracy, per task variant.
+
+    python -m training.staleness_probes --variants qfirst,repeat --steps 400 \
+        --out-dir training/results/staleness-probes
+
+Issue 25: on ``models/fidelity-qwen2-vl-marked`` plain reuse (image KV computed in
+another context, re-positioned, nothing refreshed) changes no answer, so refresh
+methods cannot be ranked. Each probe fine-tunes a copy of that checkpoint (its
+trained vision tower and retrieval; ``--init scratch`` starts from random weights)
+on one variant of :mod:`training.staleness_tasks` for a short run on one thread,
+and every ``--eval-every`` steps measures teacher-forced validation accuracy on
+prompts of ``--eval-images`` images, with full prefill and with plain reuse from
+each context of :mod:`training.stale_reuse` (another prefix and question, reverse
+order, each image alone). ``--layers 8`` deepens the checkpoint first: each
+trained layer is followed by a new one whose output projections start at zero, so
+the deeper model starts out computing what the trained one does.
+
+Results are merged by probe name into ``staleness_probes.json`` and the table
+``staleness_probes.md`` is rewritten from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
+from training.stale_reuse import CONTEXTS, TOKENS_PER_IMAGE, staleness_accuracy
+from training.staleness_tasks import VARIANT_NAMES, StaleExample, make_stale_example, stale_messages
+from training.train_fidelity_model import (
+    ALT_SYSTEM_PROMPTS,
+    FIDELITY_SPEC,
+    PREAMBLES,
+    make_optimizer,
+    training_step,
+)
+
+COMMITTED = Path("models/fidelity-qwen2-vl-marked")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeConfig:
+    """One probe: the variant, the starting weights and the short run's recipe."""
+
+    variant: str
+    steps: int
+    batch_size: int
+    lr: float
+    min_images: int
+    max_images: int
+    eval_images: int
+    eval_every: int
+    num_validation: int
+    seed: int
+    init: str  # "committed" or "scratch"
+    layers: int
+
+    @property
+    def name(self) -> str:
+        init = "" if self.init == "committed" else f"-{self.init}"
+        depth = "" if self.layers == FIDELITY_SPEC.num_layers else f"-{self.layers}L"
+        return f"{self.variant}{depth}{init}"
+
+
+def deepen(model, layers: int):
+    """A ``layers``-layer copy of the 4-layer ``model``: trained layer i becomes layer
+    ``i * layers // 4``; the others are new, with ``o_proj`` and ``down_proj`` zeroed
+    (each adds nothing to the residual stream until trained)."""
+    old = model.config.text_config.num_hidden_layers
+    if layers % old:
+        raise ValueError(f"layers must be a multiple of {old}")
+    spec = replace(FIDELITY_SPEC, num_layers=layers)
+    deep, _ = build_untrained("qwen2_vl", spec, seed=0)
+    state = {k: v for k, v in model.state_dict().items() if ".layers." not in k}
+    stride = layers // old
+    for key, value in model.state_dict().items():
+        if ".language_model.layers." in key:
+            prefix, rest = key.split(".language_model.layers.")
+            index, tail = rest.split(".", 1)
+            state[f"{prefix}.language_model.layers.{int(index) * stride}.{tail}"] = value
+    missing, unexpected = deep.load_state_dict(state, strict=False)
+    if unexpected or any(".layers." not in k for k in missing):
+        raise RuntimeError(f"state dict mismatch: {unexpected} {missing}")
+    for index, layer in enumerate(deep.model.language_model.layers):
+        if index % stride:
+            torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+            torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    return deep
+
+
+def load_model(config: ProbeConfig, checkpoint: Path):
+    """(model, processor) the probe starts from."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    if config.init == "scratch":
+        model, _ = build_untrained("qwen2_vl", replace(FIDELITY_SPEC, num_layers=config.layers), 0)
+        return model, processor
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).to(torch.float32)
+    if config.layers != model.config.text_config.num_hidden_layers:
+        model = deepen(model, config.layers)
+    return model, processor
+
+
+def training_batch(processor, examples: list[StaleExample], rng: random.Random) -> dict:
+    """A padded batch (varied system prompt and preamble) whose labels are the answers."""
+    texts, images, starts = [], [], []
+    for example in examples:
+        ims: list = []
+
+        def part(image, ims=ims) -> dict:
+            ims.append(image)
+            return {"type": "image"}
+
+        messages = stale_messages(
+            example, part, system=rng.choice(ALT_SYSTEM_PROMPTS), preamble=rng.choice(PREAMBLES)
+        )
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+        texts.append(prompt + example.answer + "<|im_end|>\n")
+        images.extend(ims)
+        # each image pad expands to TOKENS_PER_IMAGE tokens; the prompt is prefix-stable
+        shift = len(ims) * (TOKENS_PER_IMAGE - 1)
+        starts.append(len(processor.tokenizer(prompt)["input_ids"]) + shift)
+    batch = processor(text=texts, images=images, return_tensors="pt", padding=True)
+    if processor.tokenizer.padding_side != "right":
+        raise AssertionError("labels assume right padding")
+    labels = torch.full_like(batch["input_ids"], -100)
+    for row, start in enumerate(starts):
+        end = int(batch["attention_mask"][row].sum())
+        labels[row, start:end] = batch["input_ids"][row, start:end]
+    batch["labels"] = labels
+    return batch
+
+
+def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED, save: Path | None = None) -> dict:
+    """Fine-tune (or train) for ``config.steps`` steps; the curve of full and reuse accuracy.
+    ``save``: write the trained model there as a checkpoint with ``training.json``."""
+    torch.set_num_threads(1)
+    torch.manual_seed(config.seed)
+    model, processor = load_model(config, checkpoint)
+    validation = [
+        make_stale_example(config.variant, "validation", i, config.eval_images)
+        for i in range(config.num_validation)
+    ]
+    rng = random.Random(config.seed)
+    optimizer, schedule = make_optimizer(model, config.lr, max(config.steps, 1))
+    started = time.monotonic()
+    curve = []
+
+    def evaluate(step: int, loss: float | None) -> None:
+        point = {"step": step, "loss": loss, **staleness_accuracy(model, processor, validation)}
+        point["s"] = round(time.monotonic() - started)
+        curve.append(point)
+        print(json.dumps({"probe": config.name, **point}), flush=True)
+
+    evaluate(0, None)
+    model.train()
+    for step in range(1, config.steps + 1):
+        examples = [
+            make_stale_example(
+                config.variant,
+                "train",
+                rng.randrange(10**9),
+                rng.randint(config.min_images, config.max_images),
+            )
+            for _ in range(config.batch_size)
+        ]
+        loss = training_step(model, training_batch(processor, examples, rng), optimizer, schedule)
+        if step % config.eval_every == 0 or step == config.steps:
+            evaluate(step, round(loss.item(), 4))
+    result = {"name": config.name, "config": asdict(config), "curve": curve}
+    if save is not None:
+        save_model(model, config, checkpoint, save, result)
+    return result
+
+
+def save_model(model, config: ProbeConfig, checkpoint: Path, out: Path, result: dict) -> None:
+    """``model`` as a plain Qwen2-VL checkpoint, with the recipe and curve in ``training.json``."""
+    from transformers import AutoTokenizer
+
+    spec = replace(FIDELITY_SPEC, num_layers=config.layers)
+    model.eval()
+    save_checkpoint(model, AutoTokenizer.from_pretrained(checkpoint), "qwen2_vl", spec, out)
+    record = {
+        "arch": "qwen2_vl",
+        "spec": asdict(spec),
+        "style": f"staleness-{config.variant}",
+        "init_from": None if config.init == "scratch" else str(checkpoint),
+        "total_steps": config.steps,
+        "total_train_seconds": result["curve"][-1]["s"],
+        **result,
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def markdown(results: dict[str, dict]) -> str:
+    """The table: one row per probe and evaluated step."""
+    lines = [
+        "Teacher-forced validation accuracy (answer tokens all argmax) with full prefill "
+        "and with plain reuse (refresh budget 0) of every image's KV from another context: "
+        "`prefix` = another system prompt and preamble (question-first variants: and "
+        "another question), `reordered` = images in reverse order, `alone` = each image "
+        "in a prompt of its own. Gap = full minus the worst reuse context.",
+        "",
+        "| probe | init | eval images | n | step | loss | full | "
+        + " | ".join(f"reuse {c}" for c in CONTEXTS)
+        + " | gap | seconds |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(CONTEXTS) + "---|---|",
+    ]
+    for name, result in results.items():
+        config = result["config"]
+        init = config["init"] + ("" if config["layers"] == 4 else f", {config['layers']} layers")
+        for point in result["curve"]:
+            gap = point["full"] - min(point[c] for c in CONTEXTS)
+            loss = "-" if point["loss"] is None else f"{point['loss']:.3f}"
+            cells = " | ".join(f"{point[c]:.3f}" for c in CONTEXTS)
+            lines.append(
+                f"| {name} | {init} | {config['eval_images']} | {config['num_validation']} | "
+                f"{point['step']} | {loss} | {point['full']:.3f} | {cells} | {gap:+.3f} | "
+                f"{point['s']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default="qfirst,repeat,count")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-images", type=int, default=2)
+    parser.add_argument("--max-images", type=int, default=4)
+    parser.add_argument("--eval-images", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--num-validation", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", choices=("committed", "scratch"), default="committed")
+    parser.add_argument("--layers", type=int, default=FIDELITY_SPEC.num_layers)
+    parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
+    parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
+    parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = sorted(set(names) - set(VARIANT_NAMES))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANT_NAMES)}")
+    if args.save is not None and len(names) != 1:
+        parser.error("--save takes exactly one variant")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    record_path = args.out_dir / "staleness_probes.json"
+    results = json.loads(record_path.read_text()) if record_path.exists() else {}
+    for name in names:
+        config = ProbeConfig(
+            name,
+            args.steps,
+            args.batch_size,
+            args.lr,
+            args.min_images,
+            args.max_images,
+            args.eval_images,
+            args.eval_every,
+            args.num_validation,
+            args.seed,
+            args.init,
+            args.layers,
+        )
+        result = run_probe(config, args.checkpoint, args.save)
+        result["command"] = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
+        results[result["name"]] = result
+        record_path.write_text(json.dumps(results, indent=2) + "\n")
+        (args.out_dir / "staleness_probes.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
