@@ -26,7 +26,7 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     "--attention-backend",
     "torch_native",
     "--mem-fraction-static",
-    "0.05",
+    "0.2",
     "--max-total-tokens",
     "4096",
     "--random-seed",
