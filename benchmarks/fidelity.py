@@ -33,7 +33,7 @@ from sgl_mmkv.benchmarking.fidelity import (
     summarise,
     to_json,
 )
-from sgl_mmkv.benchmarking.fidelity_task import make_split, model_style
+from sgl_mmkv.benchmarking.fidelity_task import model_split
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     budgets = [float(b) for b in args.budgets.split(",") if b]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    examples = make_split("test", args.num_examples, style=model_style(args.model_path))
+    examples = model_split(args.model_path, "test", args.num_examples)
     layout = PromptLayout(str(args.model_path))
 
     summaries: list[ScenarioSummary] = []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity_task import make_split, model_style
+from sgl_mmkv.benchmarking.fidelity_task import model_split
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 from training.evaluate_fidelity_model import (
     SUBSET_SIZE,
@@ -23,7 +23,7 @@ MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie
 def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
     model = MODELS / name
     recorded = json.loads((model / "accuracy.json").read_text())
-    examples = make_split("test", SUBSET_SIZE, style=model_style(model))
+    examples = model_split(model, "test", SUBSET_SIZE)
     log = tmp_path / "stock.log"
     with ServerProcess("sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log) as server:
         answers = full_prefill_answers(server.base_url, examples)

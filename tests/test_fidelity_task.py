@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity import kl_from_top_logprobs, scenario_requests
+from sgl_mmkv.benchmarking.fidelity import kl_from_top_logprobs, leading_image, scenario_requests
 from sgl_mmkv.benchmarking.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
     MAX_IMAGES,
+    NEXT_QUESTIONS,
     QUESTION_TYPES,
+    answer_of,
     chat_messages,
     describe,
     make_example,
     make_split,
+    model_max_images,
+    model_split,
+    model_style,
     score,
 )
 from sgl_mmkv.testing.images import image_part
@@ -138,6 +144,49 @@ def test_the_dot_sits_on_the_shape():
         assert 100 < len(changed) < 250  # a disc of radius 7
         shape_colour = dict(COLOURS)[image.colour]
         assert all(plain.getpixel(p) == shape_colour for p in changed), image.kind
+
+
+def test_next_style_dots_the_image_before_the_target():
+    counts = set()
+    for i in range(60):
+        e = make_example("validation", i, style="next", max_images=4)
+        counts.add(len(e.images))
+        assert [im.marked for im in e.images] == [j == e.target - 1 for j in range(len(e.images))]
+        assert e.question == NEXT_QUESTIONS[e.qtype]
+        assert e.answer == answer_of(e.images[e.target], e.qtype)
+    assert counts == {2, 3, 4}
+    with pytest.raises(ValueError, match="need 2 to 8 images"):
+        make_example("test", 0, num_images=1, style="next")
+
+
+def test_existing_styles_draw_the_same_examples_as_before_the_image_range():
+    for i in range(20):
+        assert make_example("test", i, style="marked", max_images=MAX_IMAGES) == make_example(
+            "test", i, style="marked"
+        )
+
+
+def test_a_checkpoint_record_names_its_style_and_image_range(tmp_path):
+    record = {"style": "staleness-next", "config": {"max_images": 3}}
+    (tmp_path / "training.json").write_text(json.dumps(record))
+    assert (model_style(tmp_path), model_max_images(tmp_path)) == ("next", 3)
+    examples = model_split(tmp_path, "test", 30)
+    assert {len(e.images) for e in examples} == {2, 3}
+    assert all(e.question in NEXT_QUESTIONS.values() for e in examples)
+    assert model_max_images(tmp_path / "absent") == MAX_IMAGES
+
+
+def test_image_prefix_warms_up_after_one_more_dotted_image():
+    e = make_example("test", 7, num_images=3, style="next")
+    (warm,), final = scenario_requests(e, "image_prefix")
+    assert final == scenario_requests(e, "repeat")[1]
+    images = [p for p in warm[1]["content"] if p["type"] == "image_url"]
+    assert len(images) == 4
+    lead = leading_image(e)
+    assert lead.marked and lead.colour not in {im.colour for im in e.images}
+    assert lead.background not in {im.background for im in e.images}
+    assert images[0] == image_part(lead.render())
+    assert images[1:] == [image_part(im.render()) for im in e.images]
 
 
 def test_unknown_style_is_refused():

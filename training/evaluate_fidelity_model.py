@@ -23,8 +23,7 @@ import torch
 from sgl_mmkv.benchmarking.fidelity_task import (
     Example,
     chat_messages,
-    make_split,
-    model_style,
+    model_split,
     score,
 )
 from sgl_mmkv.testing.images import image_part
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
     prepare_cpu_process()
-    examples = make_split("test", args.num_examples, style=model_style(args.model_path))
+    examples = model_split(args.model_path, "test", args.num_examples)
     with ServerProcess("sglang.launch_server", args.model_path, CPU_SERVER_ARGS) as server:
         answers = full_prefill_answers(server.base_url, examples)
     report = {

@@ -25,7 +25,6 @@ from sgl_mmkv.benchmarking.fidelity_task import (
     COLOURS,
     KINDS,
     QUADRANTS,
-    QUESTION_STYLES,
     ShapeImage,
     make_example,
 )
@@ -52,11 +51,14 @@ def attribute_labels(images: list[ShapeImage]) -> dict[str, torch.Tensor]:
     }
 
 
+SINGLE_IMAGE_STYLES = ("keyed", "marked")  # styles that can ask about one image
+
+
 def draw_images(rng: random.Random, count: int, split: str = "train") -> list[ShapeImage]:
     """``count`` single images of ``split``, half of them marked."""
     return [
         make_example(
-            split, rng.randrange(10**9), num_images=1, style=rng.choice(QUESTION_STYLES)
+            split, rng.randrange(10**9), num_images=1, style=rng.choice(SINGLE_IMAGE_STYLES)
         ).images[0]
         for _ in range(count)
     ]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from sgl_mmkv.benchmarking.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
+    NEXT_QUESTIONS,
     QUESTION_TYPES,
     SPLIT_SEEDS,
     SYSTEM_PROMPT,
@@ -45,11 +46,6 @@ from sgl_mmkv.benchmarking.fidelity_task import (
 VARIANT_NAMES = ("marked", "qfirst", "repeat", "count", "next")
 REPEAT_QUESTION = "Which background has a colour seen before?"
 MAX_COUNT = 3
-NEXT_QUESTIONS = {
-    "colour": "What colour is the shape after the dotted one?",
-    "which": "Which background comes after the dotted shape?",
-    "kind": "What shape comes after the dotted one?",
-}
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,9 @@ Scenarios:
     repeat          the identical prompt again (exact-prefix reuse)
     changed_prefix  images first served after another system prompt and preamble
     reordered       images first served in another order
+    image_prefix    images first served after another system prompt, a preamble and
+                    one more image (dotted, so a ``next`` model flags the first
+                    image as the one after the dot: stale in the probe)
     multi_turn      turn 1 shows images 1..n-1; turn 2 adds image n and asks about
                     any image (the earlier ones asked about again)
     cold            no warm-up: the probe is the prompt served cold, for servers
@@ -29,14 +32,17 @@ from dataclasses import asdict, dataclass, field
 import openai
 
 from sgl_mmkv.benchmarking.fidelity_task import (
+    BACKGROUNDS,
+    COLOURS,
     Example,
+    ShapeImage,
     chat_messages,
     score,
 )
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import flush_cache, mmkv_stats
 
-SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn")
+SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn", "image_prefix")
 COLD = "cold"
 TOP_K = 10
 MAX_TOKENS = 6
@@ -177,6 +183,11 @@ def scenario_requests(
         return [chat_messages(example, part, order=order)], canonical
     if scenario == "multi_turn":
         return _multi_turn(canonical, n)
+    if scenario == "image_prefix":
+        system, user = chat_messages(example, part, system=OTHER_SYSTEM, preamble=OTHER_PREAMBLE)
+        preamble, *rest = user["content"]
+        lead = [_text("Picture: "), part(leading_image(example).render()), _text("\n")]
+        return [[system, {**user, "content": [preamble, *lead, *rest]}]], canonical
     raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
 
 
@@ -213,6 +224,23 @@ def _multi_turn(full: list[dict], n: int) -> tuple[list[list[dict]], list[dict]]
         {"role": "user", "content": content[split:]},
     ]
     return [turn1], conversation
+
+
+def leading_image(example: Example) -> ShapeImage:
+    """The dotted image ``image_prefix`` shows before ``example``'s images: a colour
+    and background of its own where the example leaves one free."""
+    colours = [c for c, _ in COLOURS if c not in {im.colour for im in example.images}]
+    taken = {im.background for im in example.images}
+    backgrounds = [b for b in range(len(BACKGROUNDS)) if b not in taken] or [0]
+    first = example.images[0]
+    return ShapeImage(
+        colour=(colours or [first.colour])[0],
+        kind=first.kind,
+        quadrant=first.quadrant,
+        background=backgrounds[0],
+        jitter=(0, 0, 0),
+        marked=True,
+    )
 
 
 def _text(text: str) -> dict:

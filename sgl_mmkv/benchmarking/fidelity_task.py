@@ -26,7 +26,12 @@ The keyed questions above do not train on this tiny model, even with the images
 written as text (``benchmarks/retrieval_probes.py``). ``style="marked"`` puts a
 dot on the target image's shape and asks about "the dotted shape" (the same
 three question types; the query no longer depends on the question's words): the
-committed ``models/fidelity-qwen2-vl-marked`` is trained on it. :func:`describe`
+committed ``models/fidelity-qwen2-vl-marked`` is trained on it.
+
+``style="next"`` dots one image and asks about the image *after* it ("What colour
+is the shape after the dotted one?"; 2 or more images). Only the next image's
+tokens can see the dot before them, so their KV depends on the order the images
+were shown in: KV reused from another order is stale (issue 25). :func:`describe`
 renders an image as text for the control that takes the vision tower out.
 """
 
@@ -65,7 +70,9 @@ BACKGROUNDS: tuple[tuple[str, tuple[int, int, int]], ...] = (
 KINDS = ("circle", "square", "triangle")
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
 QUESTION_TYPES = ("colour", "which", "kind")
-QUESTION_STYLES = ("keyed", "marked")
+QUESTION_STYLES = ("keyed", "marked", "next")
+# ``training.json`` styles written by ``training.staleness_probes`` -> question style.
+TRAINED_STYLES = {"staleness-next": "next", "staleness-marked": "marked"}
 SPLIT_SEEDS = {"train": 1_000_003, "validation": 2_000_003, "test": 3_000_017}
 SYSTEM_PROMPT = "You answer questions about the images in few words."
 
@@ -143,19 +150,23 @@ def make_example(
     num_images: int | None = None,
     qtype: str | None = None,
     style: str = "keyed",
+    max_images: int = MAX_IMAGES,
 ) -> Example:
-    """The ``index``-th example of ``split``; 1 to 8 images unless ``num_images`` is given.
+    """The ``index``-th example of ``split``; 1 (2 for ``next``) to ``max_images``
+    images unless ``num_images`` is given.
 
     ``style="marked"`` draws the same images and target, marks the target and asks
-    about "the dotted shape" (:func:`ask_marked`)."""
+    about "the dotted shape" (:func:`ask_marked`); ``style="next"`` marks the image
+    before the target and asks about "the shape after the dotted one"."""
     if style not in QUESTION_STYLES:
         raise ValueError(f"unknown style {style!r}; choose one of {', '.join(QUESTION_STYLES)}")
     if split not in SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLIT_SEEDS)}")
     rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + index)
-    n = num_images if num_images is not None else rng.randint(1, MAX_IMAGES)
-    if not 1 <= n <= MAX_IMAGES:
-        raise ValueError(f"num_images must be in [1, {MAX_IMAGES}], got {n}")
+    fewest = 2 if style == "next" else 1
+    n = num_images if num_images is not None else rng.randint(fewest, max_images)
+    if not fewest <= n <= MAX_IMAGES:
+        raise ValueError(f"{style} examples need {fewest} to {MAX_IMAGES} images, got {n}")
     qtype = qtype or rng.choice(QUESTION_TYPES)
     colours = rng.sample([c for c, _ in COLOURS], n)
     backgrounds = rng.sample(range(len(BACKGROUNDS)), n)
@@ -169,8 +180,12 @@ def make_example(
         )
         for colour, background in zip(colours, backgrounds, strict=True)
     )
-    target = rng.randrange(n)
-    if style == "marked":
+    target = rng.randrange(n - 1) + 1 if style == "next" else rng.randrange(n)
+    if style == "next":
+        dotted = replace(images[target - 1], marked=True)
+        images = (*images[: target - 1], dotted, *images[target:])
+        question, answer = NEXT_QUESTIONS[qtype], answer_of(images[target], qtype)
+    elif style == "marked":
         marked = replace(images[target], marked=True)
         images = (*images[:target], marked, *images[target + 1 :])
         question, answer = ask_marked(images, target, qtype)
@@ -209,6 +224,13 @@ MARKED_QUESTIONS = {
 }
 
 
+NEXT_QUESTIONS = {
+    "colour": "What colour is the shape after the dotted one?",
+    "which": "Which background comes after the dotted shape?",
+    "kind": "What shape comes after the dotted one?",
+}
+
+
 def ask_marked(images: tuple[ShapeImage, ...], target: int, qtype: str) -> tuple[str, str]:
     """(question, answer) of type ``qtype`` about the marked ``images[target]``."""
     answer = answer_of(images[target], qtype)
@@ -221,18 +243,35 @@ def describe(image: ShapeImage) -> str:
     return f"a {image.colour} {image.kind}{mark} on {BACKGROUNDS[image.background][0]}"
 
 
+def _training_record(model_path: str | Path) -> dict:
+    record = Path(model_path) / "training.json"
+    return json.loads(record.read_text()) if record.exists() else {}
+
+
 def model_style(model_path: str | Path) -> str:
     """The question style a fidelity checkpoint was trained on (``training.json``;
     "keyed" when it does not say)."""
-    record = Path(model_path) / "training.json"
-    style = json.loads(record.read_text()).get("style", "keyed") if record.exists() else "keyed"
+    written = _training_record(model_path).get("style", "keyed")
+    style = TRAINED_STYLES.get(written, written)
     if style not in QUESTION_STYLES:
-        raise ValueError(f"{record}: unknown style {style!r}")
+        raise ValueError(f"{Path(model_path) / 'training.json'}: unknown style {written!r}")
     return style
+
+
+def model_max_images(model_path: str | Path) -> int:
+    """The most images per prompt a checkpoint was trained on (``training.json``'s
+    ``config.max_images``; :data:`MAX_IMAGES` when it does not say)."""
+    return int(_training_record(model_path).get("config", {}).get("max_images", MAX_IMAGES))
 
 
 def make_split(split: str, count: int, start: int = 0, **kwargs) -> list[Example]:
     return [make_example(split, i, **kwargs) for i in range(start, start + count)]
+
+
+def model_split(model_path: str | Path, split: str, count: int) -> list[Example]:
+    """``split[0:count]`` in the question style and image counts ``model_path`` was trained on."""
+    style, most = model_style(model_path), model_max_images(model_path)
+    return make_split(split, count, style=style, max_images=most)
 
 
 def score(prediction: str, answer: str) -> bool:
