@@ -129,20 +129,39 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
         for i, mode in enumerate(dict.fromkeys(s.mode for s in rows)):
             mine = [s for s in rows if s.mode == mode]
             if mode in BUDGETED_MODES or mode.startswith(("kv:", "decode:")):
-                points = [(s.budget, s.relative_accuracy) for s in mine]
+                points = [(s.budget, s) for s in mine]
                 if mode in BUDGETED_MODES:
-                    points += [
-                        (UNBUDGETED_REFRESH[m], e.relative_accuracy) for m, e in ends.items()
-                    ]
-                xs, ys = zip(*sorted(points), strict=True)
+                    points += [(UNBUDGETED_REFRESH[m], e) for m, e in ends.items()]
+                points.sort(key=lambda point: point[0])
+                xs = [x for x, _ in points]
+                ys = [p.relative_accuracy for _, p in points]
+                spread = [  # 95 % bootstrap interval around each point
+                    [
+                        max(0.0, y - p.relative_accuracy_ci[0])
+                        for y, (_, p) in zip(ys, points, strict=True)
+                    ],
+                    [
+                        max(0.0, p.relative_accuracy_ci[1] - y)
+                        for y, (_, p) in zip(ys, points, strict=True)
+                    ],
+                ]
                 style = "--" if mode.startswith(("kv:", "decode:")) else "-"
-                ax.plot(xs, ys, marker="o", linestyle=style, color=f"C{i}", label=mode)
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=spread,
+                    marker="o",
+                    linestyle=style,
+                    color=f"C{i}",
+                    label=mode,
+                    capsize=2,
+                )
             elif mode not in UNBUDGETED_REFRESH:
                 ax.axhline(mine[0].relative_accuracy, linestyle=":", color=f"C{i}", label=f"{mode}")
         ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
         ax.set_title(scenario)
         ax.set_xlabel("refresh budget; kv:/decode: lines: kept fraction")
-        ax.set_ylabel("accuracy / full-prefill accuracy")
+        ax.set_ylabel("accuracy / full-prefill accuracy (95 % CI)")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.1)
     axes[0][-1].legend(fontsize=7, loc="lower right")

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import openai
 
+from sgl_mmkv.benchmarking.bootstrap import paired_intervals
 from sgl_mmkv.benchmarking.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
@@ -106,6 +107,9 @@ class ScenarioSummary:
     mean_refreshed_tokens: float
     mean_probe_latency_s: float
     per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
+    # 95 % paired bootstrap intervals (:func:`~sgl_mmkv.benchmarking.bootstrap.paired_intervals`)
+    accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
+    relative_accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
 
 
 def kl_from_top_logprobs(reference: dict[str, float], probe: dict[str, float]) -> float:
@@ -319,6 +323,9 @@ def summarise(
         full = _mean([float(r.reference_correct) for r in rs])
         acc = _mean([float(r.probe_correct) for r in rs])
         qtypes = sorted({r.qtype for r in rs})
+        intervals = paired_intervals(
+            [float(r.reference_correct) for r in rs], [float(r.probe_correct) for r in rs]
+        )
         summaries.append(
             ScenarioSummary(
                 mode=mode,
@@ -340,6 +347,8 @@ def summarise(
                 per_qtype_accuracy={
                     q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
                 },
+                accuracy_ci=intervals["accuracy"],
+                relative_accuracy_ci=intervals["relative_accuracy"],
             )
         )
     return summaries
@@ -372,7 +381,8 @@ class PromptLayout:
 def format_table(summaries: list[ScenarioSummary]) -> str:
     header = (
         f"{'mode':<13} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
-        f"{'rel acc':>7} {'1st agree':>9} {'reply agree':>11} {'KL':>8} {'prompt':>7} "
+        f"{'acc 95% CI':>13} {'rel acc':>7} {'rel 95% CI':>13} {'1st agree':>9} "
+        f"{'reply agree':>11} {'KL':>8} {'prompt':>7} "
         f"{'cached':>7} "
         f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
     )
@@ -381,7 +391,8 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
         budget = "-" if s.budget is None else f"{s.budget:g}"
         lines.append(
             f"{s.mode:<13} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
-            f"{s.accuracy:>6.3f} {s.relative_accuracy:>7.3f} {s.first_token_agreement:>9.3f} "
+            f"{s.accuracy:>6.3f} {_interval(s.accuracy_ci):>13} {s.relative_accuracy:>7.3f} "
+            f"{_interval(s.relative_accuracy_ci):>13} {s.first_token_agreement:>9.3f} "
             f"{s.reply_agreement:>11.3f} {s.mean_first_token_kl:>8.4f} "
             f"{s.mean_prompt_tokens:>7.1f} {s.mean_cached_tokens:>7.1f} "
             f"{s.mean_cached_image_tokens:>10.1f} "
@@ -389,6 +400,10 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
             f"{s.mean_probe_latency_s:>9.3f}"
         )
     return "\n".join(lines)
+
+
+def _interval(bounds: tuple[float, float]) -> str:
+    return f"[{bounds[0]:.3f},{bounds[1]:.3f}]"
 
 
 def to_json(summaries: list[ScenarioSummary], records: dict[str, list[ProbeRecord]]) -> dict:
