@@ -97,13 +97,13 @@ def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
 
 
 def measure_on(
-    server: ServerProcess, label: str, layout, examples, scenarios, references=None
+    server: ServerProcess, label: str, layout, examples, scenarios, references=None, concurrency=1
 ) -> tuple[list, dict]:
     """Start ``server``, run every probe through it, stop it; the probe records and
     the server's sgl_mmkv counters after them."""
     with server:
         client = FidelityClient(server.base_url)
-        records = measure(client, layout, examples, scenarios, references)
+        records = measure(client, layout, examples, scenarios, references, concurrency)
         stats = mmkv_stats(server.base_url)
     print(f"[fidelity] {label}: {len(records)} probes", flush=True)
     return records, stats
@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="stock,off,exact")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--num-examples", type=int, default=40)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="probes measured at once (their images differ; see fidelity.measure)",
+    )
     parser.add_argument("--budgets", default="0.05,0.1,0.2", help="for budgeted modes")
     parser.add_argument(
         "--segment-fill",
@@ -220,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets if mode in BUDGETED_MODES else [UNBUDGETED_REFRESH.get(mode)]:
             label = mode if budget is None else f"{mode}@{budget}"
             server = server_for(mode, args.model_path, budget, args.out_dir, args.segment_fill)
-            records[label], _ = measure_on(server, label, layout, examples, scenarios)
+            records[label], _ = measure_on(
+                server, label, layout, examples, scenarios, concurrency=args.concurrency
+            )
             summaries += summarise(mode, records[label], budget)
     for evict in [m for m in args.evict_modes.split(",") if m]:
         for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
@@ -228,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             server = eviction_server_for(
                 evict, kv_budget, args.model_path, args.out_dir, args.evict_refresh_budget
             )
-            records[label], _ = measure_on(server, label, layout, examples, scenarios)
+            records[label], _ = measure_on(
+                server, label, layout, examples, scenarios, concurrency=args.concurrency
+            )
             summaries += summarise(f"kv:{evict}", records[label], kv_budget)
     decode_modes = [m for m in args.decode_evict_modes.split(",") if m]
     decode_counters: dict[str, dict] = {}  # label -> the server's counters after its probes

@@ -75,6 +75,23 @@ def test_exact_reuse_agrees_with_full_prefill_and_stock_reuses_no_moved_image(se
     assert all(r.probe_cached_image_tokens == 32 for r in turns)
 
 
+def test_concurrent_probes_measure_what_one_at_a_time_measures(server, tiny_vlm):
+    examples = make_split("test", 4, num_images=2)
+    client, layout = FidelityClient(server.base_url), PromptLayout(str(tiny_vlm))
+    scenarios = ["repeat", "image_prefix"]
+    alone = measure(client, layout, examples, scenarios)
+    together = measure(client, layout, examples, scenarios, concurrency=4)
+    key = lambda r: (r.uid, r.scenario)  # noqa: E731
+    assert sorted(map(key, together)) == sorted(map(key, alone)) and len(alone) == 8
+    for a, b in zip(sorted(alone, key=key), sorted(together, key=key), strict=True):
+        # Text prefixes may be shared across a chunk's probes; images never are.
+        assert (b.probe, b.reference) == (a.probe, a.reference)
+        image_hits = 32 if a.scenario == "repeat" else 0
+        assert a.probe_cached_image_tokens == b.probe_cached_image_tokens == image_hits
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        measure(client, layout, examples, scenarios, concurrency=0)
+
+
 def test_benchmark_script_runs_end_to_end(tmp_path, tiny_vlm):
     result = subprocess.run(
         [

@@ -309,7 +309,7 @@ def test_an_entry_whose_shapes_do_not_fit_the_fingerprint_is_never_read(storage)
 
 def test_two_instances_writing_one_image_at_once_never_mix_payloads(storage, tmp_path):
     """Interleaved as A payload, B payload, A header, B header (skipped: present)."""
-    from sgl_mmkv.segments.storage import _encode_header
+    from sgl_mmkv.segments.entry_format import encode_header
 
     other = open_storage("file", FINGERPRINT, directory=str(tmp_path))
     first, second = stored(), stored()
@@ -324,6 +324,6 @@ def test_two_instances_writing_one_image_at_once_never_mix_payloads(storage, tmp
     for instance, fields, payload in writes:
         assert instance.backend.set(fields["payload"], payload)
     for instance, fields, _ in writes:
-        assert instance.backend.set(name + "_h", _encode_header(fields))
+        assert instance.backend.set(name + "_h", encode_header(fields))
     assert_same(first, other.load(key()))
     assert other.counters.corrupt == 0

@@ -27,6 +27,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import openai
@@ -84,8 +85,8 @@ class ProbeRecord:
     image_tokens: int
     probe_cached_image_tokens: int
     probe_latency_s: float
-    probe_reused_tokens: int = 0
-    probe_refreshed_tokens: int = 0
+    probe_reused_tokens: float = 0
+    probe_refreshed_tokens: float = 0
 
 
 @dataclass(slots=True)
@@ -257,32 +258,61 @@ def measure(
     examples: Iterable[Example],
     scenarios: Iterable[str] = SCENARIOS,
     references: FidelityClient | ReferenceReplies | None = None,
+    concurrency: int = 1,
 ) -> list[ProbeRecord]:
     """Run every scenario on every example; see the module docstring. The cold
-    references come from ``references`` (default: ``client`` itself)."""
+    references come from ``references`` (default: ``client`` itself).
+
+    ``concurrency`` > 1 measures that many (example, scenario) probes at once: the
+    caches are flushed, their references served together, flushed again, their
+    warm-ups served together (each probe's own warm-ups in order), then their
+    probes together. Probes of one chunk share the server's caches (their images
+    differ), and the refresh counters are read per chunk, so each probe records
+    the chunk's mean reused / refreshed tokens (the summaries' means stay exact)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     references = references or client
+    jobs = [(example, scenario) for example in examples for scenario in scenarios]
+    records: list[ProbeRecord] = []
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for first in range(0, len(jobs), concurrency):
+            chunk = jobs[first : first + concurrency]
+            records += _measure_chunk(client, references, layout, chunk, pool)
+    return records
+
+
+def _measure_chunk(client, references, layout, chunk, pool) -> list[ProbeRecord]:
+    requests = [scenario_requests(example, scenario) for example, scenario in chunk]
+    finals = [final for _, final in requests]
+    references.flush()
+    # ReferenceReplies flushes its server before each reply: one at a time.
+    serve = map if isinstance(references, ReferenceReplies) else pool.map
+    reference_replies = list(serve(references.chat, finals))
+    client.flush()
+
+    def warm_up(warmups: list[list[dict]]) -> None:
+        for warm in warmups:
+            client.chat(warm)
+
+    list(pool.map(warm_up, [warmups for warmups, _ in requests]))
+    before = client.refresh_counters()
+    probes = list(pool.map(client.chat, finals))
+    after = client.refresh_counters()
+    reused = (after.get("reused_tokens", 0) - before.get("reused_tokens", 0)) / len(chunk)
+    refreshed = (after.get("refreshed_tokens", 0) - before.get("refreshed_tokens", 0)) / len(chunk)
     records = []
-    for example in examples:
-        for scenario in scenarios:
-            warmups, final = scenario_requests(example, scenario)
-            image_mask = layout.image_mask(
-                lambda part, ex=example, sc=scenario: scenario_requests(ex, sc, part)[1]
+    for (example, scenario), reference, probe in zip(chunk, reference_replies, probes, strict=True):
+        image_mask = layout.image_mask(
+            lambda part, ex=example, sc=scenario: scenario_requests(ex, sc, part)[1]
+        )
+        if len(image_mask) != probe.prompt_tokens:
+            raise RuntimeError(
+                f"local prompt has {len(image_mask)} tokens, the server's "
+                f"{probe.prompt_tokens}: the processor and the server disagree"
             )
-            references.flush()
-            reference = references.chat(final)
-            client.flush()
-            for warm in warmups:
-                client.chat(warm)
-            before = client.refresh_counters()
-            probe = client.chat(final)
-            after = client.refresh_counters()
-            if len(image_mask) != probe.prompt_tokens:
-                raise RuntimeError(
-                    f"local prompt has {len(image_mask)} tokens, the server's "
-                    f"{probe.prompt_tokens}: the processor and the server disagree"
-                )
-            answer = example.answer
-            record = ProbeRecord(
+        answer = example.answer
+        records.append(
+            ProbeRecord(
                 uid=example.uid(),
                 qtype=example.qtype,
                 num_images=len(example.images),
@@ -302,11 +332,10 @@ def measure(
                 image_tokens=sum(image_mask),
                 probe_cached_image_tokens=sum(image_mask[: probe.cached_tokens]),
                 probe_latency_s=probe.latency_s,
-                probe_reused_tokens=after.get("reused_tokens", 0) - before.get("reused_tokens", 0),
-                probe_refreshed_tokens=after.get("refreshed_tokens", 0)
-                - before.get("refreshed_tokens", 0),
+                probe_reused_tokens=reused,
+                probe_refreshed_tokens=refreshed,
             )
-            records.append(record)
+        )
     return records
 
 

@@ -274,7 +274,7 @@ class RefreshExecutor:
             return None
         started = time.perf_counter()
         ranked: dict[int, dict[Span, torch.Tensor]] = self.ranker.rank_batch(
-            observer, model_runner, forward_batch, plans, active
+            observer, model_runner, forward_batch, plans, active, self._views or None
         )
         self.counters.ranking_seconds += time.perf_counter() - started
         if self.row_compactor is not None:

@@ -80,9 +80,12 @@ class VisualRanker:
         forward_batch,
         plans: list[RequestPlan],
         active: list[torch.Tensor] | None = None,
+        views: list[RowView | None] | None = None,
     ) -> dict[int, dict[Span, torch.Tensor]]:
         """Request index -> ``[start, end)`` -> ``(end - start,)`` float32 ranking of
-        the image's tokens (higher: keep), for every ranked image of the batch."""
+        the image's tokens (higher: keep), for every ranked image of the batch.
+
+        ``views``: per request, the row view the forward used (built here if None)."""
         if observer is None:
             return {}
         ranked = {}
@@ -90,7 +93,10 @@ class VisualRanker:
             spans = self.spans_of(plan)
             if spans and plan.index in observer.queries:
                 mask = None if active is None else active[plan.index]
-                rankings = self.rankings(observer, model_runner, forward_batch, plan, spans, mask)
+                view = views[plan.index] if views is not None else RowView.of(plan)
+                rankings = self.rankings(
+                    observer, model_runner, forward_batch, plan, spans, mask, view
+                )
                 ranked[plan.index] = dict(zip(spans, rankings, strict=True))
         return ranked
 
@@ -102,8 +108,10 @@ class VisualRanker:
         plan: RequestPlan,
         spans: list[Span],
         active: torch.Tensor | None = None,
+        view: RowView | None = None,
     ) -> list[torch.Tensor]:
-        """Per span of ``spans``, ``(n,)`` float32 ranking of its tokens (higher: keep)."""
+        """Per span of ``spans``, ``(n,)`` float32 ranking of its tokens (higher: keep);
+        ``view``: the row's holes left out (:meth:`RowView.of`), None for a whole row."""
         if self._projector is None:
             self._projector = QueryProjector(model_runner.model)
         pass_rows = active if active is not None else torch.ones(plan.seq_len - plan.prefix_len)
@@ -112,7 +120,6 @@ class VisualRanker:
         per_layer = observer.queries[plan.index]
         layers = sorted(per_layer)
         keys = row_keys(model_runner, forward_batch, plan.index)
-        view = RowView.of(plan)
         if view is not None:  # ranked against the KV the row holds, never its holes
             keys, query_positions = view.rows(keys), view.compact(query_positions)
             spans = [view.span(start, end) for start, end in spans]

@@ -37,68 +37,29 @@ from typing import Any
 import torch
 
 from sgl_mmkv.counters import Counters
+from sgl_mmkv.segments.entry_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    KVFingerprint,
+    StoredSegment,
+    decode_header,
+    dtype_of,
+    encode_header,
+    key_fields,
+    payload_name,
+    payload_parts,
+    tensor_bytes,
+)
 from sgl_mmkv.segments.key import SegmentKey
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-HEADER_BYTES = 4096
-MAGIC = b"SGLMMKV\x01"
-_PREFIX = len(MAGIC) + 32 + 4  # magic, sha256 of the JSON, JSON length (big endian)
 NO_STORAGE = "none"
 
 
 class StorageError(RuntimeError):
     """The storage backend could not be created (raised at start-up only)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KVFingerprint:
-    """What must match for stored KV to be valid in this server.
-
-    Attributes:
-        model: the model's identity (path, revision, config hash).
-        dtype: KV buffer dtype (``torch.bfloat16``).
-        layers: KV layers.
-        heads: KV heads per layer (of this rank).
-        head_dim: K head dim.
-        v_head_dim: V head dim.
-    """
-
-    model: str
-    dtype: str
-    layers: int
-    heads: int
-    head_dim: int
-    v_head_dim: int
-
-    @classmethod
-    def of_pool(cls, kv_pool, model: str) -> KVFingerprint:
-        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer)."""
-        k, v = kv_pool.get_key_buffer(0), kv_pool.get_value_buffer(0)
-        return cls(
-            model, str(k.dtype), int(kv_pool.layer_num), int(k.shape[1]), int(k.shape[2]),
-            int(v.shape[2]),
-        )  # fmt: skip
-
-
-@dataclass(slots=True)
-class StoredSegment:
-    """One segment's content, on the CPU.
-
-    Attributes:
-        positions: ``(P, n)`` int64 rotary positions the K was computed at.
-        kept: ``(m,)`` int64 kept image-token indices; None when whole (``m = n``).
-        ranking: ``(n,)`` float32 eviction ranking, or None.
-        keys: ``(L, m, H, D)`` K of the kept tokens, every layer.
-        values: ``(L, m, H, Dv)`` V of the kept tokens, every layer.
-    """
-
-    positions: torch.Tensor
-    kept: torch.Tensor | None
-    ranking: torch.Tensor | None
-    keys: torch.Tensor
-    values: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -119,65 +80,6 @@ class StorageCounters(Counters):
     bytes_written: int = 0
     load_seconds: float = 0.0  # inside forwards: lookups, reads, checksums
     write_seconds: float = 0.0  # inside forwards: checksums, writes
-
-
-def key_fields(key: SegmentKey) -> dict[str, Any]:
-    """``key`` as JSON-able fields (what the header records)."""
-    return {
-        "namespace_seed": key.namespace.seed,
-        "lora_id": key.namespace.lora_id,
-        "content": key.content.hex(),
-        "modality": key.modality,
-        "grid": list(key.grid),
-        "num_tokens": key.num_tokens,
-    }
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-
-
-def _parts(stored: StoredSegment) -> list[torch.Tensor]:
-    parts = [stored.positions.to(torch.long)]
-    if stored.kept is not None:
-        parts.append(stored.kept.to(torch.long))
-    if stored.ranking is not None:
-        parts.append(stored.ranking.to(torch.float32))
-    return [*parts, stored.keys, stored.values]
-
-
-def _encode_header(fields: dict[str, Any]) -> torch.Tensor | None:
-    """``(HEADER_BYTES,)`` uint8, or None if the JSON does not fit."""
-    text = json.dumps(fields, sort_keys=True).encode()
-    if _PREFIX + len(text) > HEADER_BYTES:
-        return None
-    raw = MAGIC + hashlib.sha256(text).digest() + len(text).to_bytes(4, "big") + text
-    out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return out
-
-
-def _decode_header(raw: bytes) -> dict[str, Any] | None:
-    """The header's fields, or None if it is not an intact header."""
-    if len(raw) != HEADER_BYTES or raw[: len(MAGIC)] != MAGIC:
-        return None
-    digest = raw[len(MAGIC) : len(MAGIC) + 32]
-    size = int.from_bytes(raw[len(MAGIC) + 32 : _PREFIX], "big")
-    text = raw[_PREFIX : _PREFIX + size]
-    if size > HEADER_BYTES - _PREFIX or hashlib.sha256(text).digest() != digest:
-        return None
-    try:
-        fields = json.loads(text)
-    except ValueError:
-        return None
-    return fields if isinstance(fields, dict) else None
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 class SegmentStorage:
@@ -223,10 +125,10 @@ class SegmentStorage:
             if self.backend.exists(name + "_h"):
                 self.counters.write_skipped += 1
                 return True
-            parts = [_tensor_bytes(t) for t in _parts(stored)]
+            parts = [tensor_bytes(t) for t in payload_parts(stored)]
             payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
             fields = self._header_fields(key, stored, payload)
-            header = _encode_header(fields)
+            header = encode_header(fields)
             if header is None:
                 self.counters.write_failed += 1
                 return False
@@ -258,7 +160,7 @@ class SegmentStorage:
             "v_shape": list(stored.values.shape),
             "payload_bytes": int(payload.numel()),
             "sha256": digest,
-            "payload": _payload_name(self.entry_name(key), digest),
+            "payload": payload_name(self.entry_name(key), digest),
         }
 
     def load(self, key: SegmentKey) -> StoredSegment | None:
@@ -277,7 +179,7 @@ class SegmentStorage:
             if not self.backend.exists(name + "_h"):
                 self.counters.misses += 1
                 return None
-            fields = _decode_header(self._read(name + "_h", HEADER_BYTES))
+            fields = decode_header(self._read(name + "_h", HEADER_BYTES))
             if fields is None or fields.get("version") != FORMAT_VERSION:
                 return self._corrupt(name, "header")
             if fields.get("key") != key_fields(key) or fields.get("kv") != self._fingerprint_fields:
@@ -287,7 +189,7 @@ class SegmentStorage:
             layout = self._layout(fields)
             if sum(size for _, _, size in layout) != fields.get("payload_bytes"):
                 raise _Corrupt("payload size does not match its shapes")
-            if fields.get("payload") != _payload_name(name, str(fields.get("sha256"))):
+            if fields.get("payload") != payload_name(name, str(fields.get("sha256"))):
                 raise _Corrupt("payload name does not match its checksum")
             payload = self._read(fields["payload"], int(fields["payload_bytes"]))
             if hashlib.sha256(payload).hexdigest() != fields.get("sha256"):
@@ -319,7 +221,7 @@ class SegmentStorage:
         against this server's fingerprint before anything is read (:class:`_Corrupt`)."""
         fp = self.fingerprint
         try:
-            dtype = _dtype(fields["dtype"])
+            dtype = dtype_of(fields["dtype"])
             positions = tuple(int(d) for d in fields["positions"])
             k_shape = tuple(int(d) for d in fields["k_shape"])
             v_shape = tuple(int(d) for d in fields["v_shape"])
@@ -403,13 +305,6 @@ class SegmentStorage:
 
 
 _PROBE = "sgl_mmkv_probe"
-
-
-def _payload_name(entry: str, digest: str) -> str:
-    """The payload object of entry ``entry``, named by its checksum: two instances that
-    write one image at once write two payloads, and the header that lands first names
-    its own (the other payload is left unused), never a mix of the two."""
-    return f"{entry}_p{digest[:16]}"
 
 
 class _Corrupt(Exception):
