@@ -7,7 +7,9 @@ Writes ``accuracy.json`` beside the checkpoint: test-split exact-match accuracy
 (overall, per question type, per image count), the accuracy on the fixed subset
 the test suite re-checks, and the attention report (share of the last prompt
 token's attention on the named image against that image's share of the visual
-tokens).
+tokens). With ``--staleness``, also the accuracy of plain reuse (refresh budget 0)
+in each reuse scenario, through ``python -m sgl_mmkv.launch_server --mm-reuse reuse``:
+how much stale image KV costs this model.
 """
 
 from __future__ import annotations
@@ -106,10 +108,44 @@ def attention_report(model_path: str, examples: list[Example]) -> dict:
     }
 
 
+STALE_SCENARIOS = ("reordered", "image_prefix", "changed_prefix", "multi_turn")
+
+
+def staleness_report(
+    model_path: Path, examples: list[Example], concurrency: int = 8
+) -> dict[str, dict[str, float]]:
+    """Per reuse scenario: full-prefill accuracy and the accuracy of plain reuse (refresh
+    budget 0) through an sgl_mmkv server, on ``examples`` and on the test subset."""
+    from sgl_mmkv.benchmarking.fidelity import FidelityClient, PromptLayout, measure, summarise
+    from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+
+    flags = ["--mm-reuse", "reuse", *CPU_SERVER_ARGS]
+    with ServerProcess("sgl_mmkv.launch_server", model_path, flags) as server:
+        client, layout = FidelityClient(server.base_url), PromptLayout(str(model_path))
+        records = measure(client, layout, examples, STALE_SCENARIOS, concurrency=concurrency)
+    subset = {e.uid() for e in examples[:SUBSET_SIZE]}
+    report = {}
+    for summary in summarise("reuse", records, 0.0):
+        mine = [r for r in records if r.scenario == summary.scenario and r.uid in subset]
+        report[summary.scenario] = {
+            "full": round(summary.full_prefill_accuracy, 4),
+            "reuse": round(summary.accuracy, 4),
+            "reuse_95ci": summary.accuracy_ci,
+            "subset_full": round(sum(r.reference_correct for r in mine) / len(mine), 4),
+            "subset_reuse": round(sum(r.probe_correct for r in mine) / len(mine), 4),
+        }
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", type=Path, required=True)
     parser.add_argument("--num-examples", type=int, default=200)
+    parser.add_argument(
+        "--staleness",
+        action="store_true",
+        help="also measure plain reuse (budget 0) per reuse scenario through sgl_mmkv",
+    )
     args = parser.parse_args(argv)
 
     from sgl_mmkv.cpu_support import prepare_cpu_process
@@ -126,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         **accuracy_report(examples, answers),
         "attention": attention_report(str(args.model_path), examples[:64]),
     }
+    if args.staleness:
+        report["staleness"] = staleness_report(args.model_path, examples)
     (args.model_path / "accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0
