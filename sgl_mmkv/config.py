@@ -51,8 +51,8 @@ COMPRESS_TRIGGERS: dict[str, str] = {
 DEFAULT_COMPRESS_AT = "pressure"
 # --mm-compressed-reuse: what a reused compressed segment does with its dropped tokens.
 COMPRESSED_REUSE: dict[str, str] = {
-    "holes": "leave them out: neither computed nor attended (M-RoPE models; the row "
-    "is kept out of the radix tree)",
+    "holes": "leave them out: neither computed nor attended (the row is kept out of "
+    "the radix tree; later positions keep the sequence's)",
     "recompute": "compute them fresh like text (any model)",
 }
 DEFAULT_COMPRESSED_REUSE = "holes"

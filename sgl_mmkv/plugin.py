@@ -52,6 +52,8 @@ def _patches_for(config) -> list:
         ]
     if config.compresses_at_decode or config.reuses_with_holes:
         modules.append(patches.scheduler_run_batch)
+    if config.reuses_with_holes:
+        modules.append(patches.forward_batch_positions)
     return modules
 
 

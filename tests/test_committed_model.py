@@ -13,13 +13,16 @@ from training.evaluate_fidelity_model import (
     SUBSET_SIZE,
     accuracy_report,
     full_prefill_answers,
+    staleness_report,
 )
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie
 
 
-@pytest.mark.parametrize("name", ["fidelity-qwen2-vl", "fidelity-qwen2-vl-marked"])
+@pytest.mark.parametrize(
+    "name", ["fidelity-qwen2-vl", "fidelity-qwen2-vl-marked", "fidelity-qwen2-vl-next"]
+)
 def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
     model = MODELS / name
     recorded = json.loads((model / "accuracy.json").read_text())
@@ -31,3 +34,17 @@ def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
     assert report["n"] == SUBSET_SIZE
     assert report["accuracy"] >= recorded["subset_accuracy"] - MARGIN
     assert report["accuracy"] == pytest.approx(recorded["subset_accuracy"], abs=MARGIN)
+
+
+def test_the_next_model_answers_worse_from_stale_image_kv():
+    """Plain reuse (refresh budget 0) of images first shown in another order, or after
+    another dotted image, loses what accuracy.json recorded on the test subset."""
+    model = MODELS / "fidelity-qwen2-vl-next"
+    recorded = json.loads((model / "accuracy.json").read_text())["staleness"]
+    examples = model_split(model, "test", SUBSET_SIZE)
+    measured = staleness_report(model, examples, ("reordered", "image_prefix"))
+    for scenario, got in measured.items():
+        want = recorded[scenario]
+        assert got["subset_full"] == pytest.approx(want["subset_full"], abs=MARGIN), scenario
+        assert got["subset_reuse"] == pytest.approx(want["subset_reuse"], abs=MARGIN), scenario
+        assert got["subset_full"] - got["subset_reuse"] >= 0.1, scenario  # stale KV costs

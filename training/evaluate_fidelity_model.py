@@ -112,7 +112,10 @@ STALE_SCENARIOS = ("reordered", "image_prefix", "changed_prefix", "multi_turn")
 
 
 def staleness_report(
-    model_path: Path, examples: list[Example], concurrency: int = 8
+    model_path: Path,
+    examples: list[Example],
+    scenarios: tuple[str, ...] = STALE_SCENARIOS,
+    concurrency: int = 8,
 ) -> dict[str, dict[str, float]]:
     """Per reuse scenario: full-prefill accuracy and the accuracy of plain reuse (refresh
     budget 0) through an sgl_mmkv server, on ``examples`` and on the test subset."""
@@ -122,7 +125,7 @@ def staleness_report(
     flags = ["--mm-reuse", "reuse", *CPU_SERVER_ARGS]
     with ServerProcess("sgl_mmkv.launch_server", model_path, flags) as server:
         client, layout = FidelityClient(server.base_url), PromptLayout(str(model_path))
-        records = measure(client, layout, examples, STALE_SCENARIOS, concurrency=concurrency)
+        records = measure(client, layout, examples, scenarios, concurrency=concurrency)
     subset = {e.uid() for e in examples[:SUBSET_SIZE]}
     report = {}
     for summary in summarise("reuse", records, 0.0):

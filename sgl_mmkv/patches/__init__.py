@@ -7,6 +7,7 @@ plugin calls. No module here is imported by a stock server.
 
 from sgl_mmkv.patches import (  # noqa: E402
     eager_runner_execute_extend,
+    forward_batch_positions,
     mm_embed_routine,
     mm_processor_flush,
     scheduler_internal_state,
@@ -17,6 +18,7 @@ from sgl_mmkv.patches import (  # noqa: E402
 __all__ = [
     "scheduler_run_batch",
     "eager_runner_execute_extend",
+    "forward_batch_positions",
     "mm_embed_routine",
     "mm_processor_flush",
     "scheduler_internal_state",

@@ -16,15 +16,16 @@ shrinks every length SGLang keeps for the request by the dropped count ``d``:
 ``kv_committed_len`` / ``kv_allocated_len`` (what release frees), the batch's
 ``seq_lens`` (where decode writes and how far it attends).
 
-Positions stay right through M-RoPE's per-request offset: a decode token's position
-is ``seq_len - 1 + mrope_position_delta``, so the delta grows by ``d``. The kept
-tokens' KV already carries its rotary positions. Models without M-RoPE derive the
-position from ``seq_len`` alone: decode compression is refused for them at start-up
-and the executor plans no holes for them.
+Positions stay right through a per-request offset. With M-RoPE a decode token's
+position is ``seq_len - 1 + mrope_position_delta``, so the delta grows by ``d``.
+1-D RoPE models derive it from ``seq_len`` alone, so the request's
+``sgl_mmkv_position_offset`` grows by ``d`` and ``patches/forward_batch_positions.py``
+adds it to every later position. The kept tokens' KV already carries its rotary
+positions. Decode-time compression is still refused for 1-D RoPE models at start-up.
 
 A compacted row is not the KV of its token ids, so the request is kept out of the
 radix tree (``skip_radix_cache_insert``). On release (finish or retraction) the
-request's M-RoPE state is put back, so a retracted request prefills again from its
+request's position state is put back, so a retracted request prefills again from its
 original inputs.
 """
 
@@ -39,6 +40,7 @@ from sgl_mmkv.counters import Counters
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.ranker import Span
+from sgl_mmkv.refresh.row_positions import POSITION_OFFSET, position_offset
 from sgl_mmkv.scoring.base import top_tokens
 
 logger = logging.getLogger(__name__)
@@ -73,8 +75,9 @@ class RowPlan:
 @dataclass(slots=True)
 class SavedRequestState:
     mrope_positions: torch.Tensor | None
-    mrope_position_delta: torch.Tensor
+    mrope_position_delta: torch.Tensor | None
     skip_radix_cache_insert: bool
+    position_offset: int = 0
 
 
 def dropped_positions(budget: float, ranked: dict[Span, torch.Tensor]) -> torch.Tensor:
@@ -176,7 +179,10 @@ class RowCompactor:
         mm = req.multimodal_inputs
         if req.rid not in self._saved:
             self._saved[req.rid] = SavedRequestState(
-                mm.mrope_positions, mm.mrope_position_delta, req.skip_radix_cache_insert
+                mm.mrope_positions,
+                mm.mrope_position_delta,
+                req.skip_radix_cache_insert,
+                position_offset(req),
             )
         req.skip_radix_cache_insert = True
         removed = plan.removed()
@@ -198,9 +204,12 @@ class RowCompactor:
             batch.orig_seq_lens = batch.orig_seq_lens.clone()
             batch.orig_seq_lens[i] -= d
         batch.seq_lens_sum = None
-        mm.mrope_position_delta = mm.mrope_position_delta + d
-        mm.mrope_position_delta_repeated_cache = None
-        mm.mrope_positions = None  # decode must derive positions from the delta
+        if mm.mrope_position_delta is not None:
+            mm.mrope_position_delta = mm.mrope_position_delta + d
+            mm.mrope_position_delta_repeated_cache = None
+            mm.mrope_positions = None  # decode must derive positions from the delta
+        else:
+            setattr(req, POSITION_OFFSET, position_offset(req) + d)
         holes = int(plan.holes.numel())
         if holes:
             self.counters.holed_requests += 1
@@ -215,7 +224,7 @@ class RowCompactor:
         self._pending.clear()
 
     def restore(self, req) -> None:
-        """Put back the request's M-RoPE state and tree flag (its row is released)."""
+        """Put back the request's position state and tree flag (its row is released)."""
         saved = self._saved.pop(req.rid, None)
         if saved is None:
             return
@@ -225,3 +234,4 @@ class RowCompactor:
             mm.mrope_position_delta = saved.mrope_position_delta
             mm.mrope_position_delta_repeated_cache = None
         req.skip_radix_cache_insert = saved.skip_radix_cache_insert
+        setattr(req, POSITION_OFFSET, saved.position_offset)

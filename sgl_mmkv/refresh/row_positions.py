@@ -1,0 +1,35 @@
+"""Where a request's positions live once holes have shortened its row.
+
+A row that dropped ``d`` hole slots after its prefill (:mod:`row_compaction`) is
+``d`` shorter than its sequence. M-RoPE models move their per-request offset; for
+1-D RoPE models the request carries :data:`POSITION_OFFSET` and
+``patches/forward_batch_positions.py`` adds it to every later token's position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Attribute of a ``Req``: how far its row is shorter than its sequence.
+POSITION_OFFSET = "sgl_mmkv_position_offset"
+# Attribute of an extend ``ForwardBatch``: each request's whole length (prompt + outputs).
+FULL_LENS = "sgl_mmkv_full_lens"
+
+
+def position_offset(req: Any) -> int:
+    """How far ``req``'s row is shorter than its sequence (0 unless holes left it)."""
+    return getattr(req, POSITION_OFFSET, 0)
+
+
+def positions_after_holes(
+    positions: torch.Tensor, offsets: list[int], tokens_per_request: list[int] | None
+) -> torch.Tensor:
+    """``positions`` ``(T,)`` with request ``i``'s tokens moved up by ``offsets[i]``;
+    ``tokens_per_request``: each request's token count (None: one token each)."""
+    shift = torch.tensor(offsets, dtype=positions.dtype, device=positions.device)
+    if tokens_per_request is not None:
+        counts = torch.tensor(tokens_per_request, device=positions.device)
+        shift = shift.repeat_interleave(counts)
+    return positions + shift
