@@ -204,3 +204,18 @@ def test_text_control_describes_each_image_in_place_of_its_pixels():
     assert describe(e.images[e.target]).endswith(
         f"with a dot on {BACKGROUNDS[e.images[e.target].background][0]}"
     )
+
+
+def test_concurrent_chunks_never_hold_one_example_twice():
+    from sgl_mmkv.benchmarking.fidelity import _chunks
+
+    examples = make_split("test", 5)
+    jobs = [(e, s) for s in ("reordered", "image_prefix") for e in examples]
+    chunks = _chunks(jobs, 4)
+    assert [job for chunk in chunks for job in chunk] == jobs
+    assert [len(c) for c in chunks] == [4, 4, 2]
+    for chunk in chunks:
+        assert len({id(e) for e, _ in chunk}) == len(chunk)
+    assert _chunks(jobs[:3], 1) == [[job] for job in jobs[:3]]
+    two = [(e, s) for s in ("reordered", "image_prefix") for e in examples[:2]]
+    assert [len(c) for c in _chunks(two, 4)] == [2, 2]  # example 0 would repeat

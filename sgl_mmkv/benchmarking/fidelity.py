@@ -266,19 +266,34 @@ def measure(
     ``concurrency`` > 1 measures that many (example, scenario) probes at once: the
     caches are flushed, their references served together, flushed again, their
     warm-ups served together (each probe's own warm-ups in order), then their
-    probes together. Probes of one chunk share the server's caches (their images
-    differ), and the refresh counters are read per chunk, so each probe records
-    the chunk's mean reused / refreshed tokens (the summaries' means stay exact)."""
+    probes together. A chunk never holds one example twice (its scenarios share
+    its images), so probes of one chunk share the server's caches but not their
+    images. The refresh counters are read per chunk: each probe records the
+    chunk's mean reused / refreshed tokens (the summaries' means stay exact)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     references = references or client
-    jobs = [(example, scenario) for example in examples for scenario in scenarios]
+    examples = list(examples)
+    jobs = [(example, scenario) for scenario in scenarios for example in examples]
     records: list[ProbeRecord] = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for first in range(0, len(jobs), concurrency):
-            chunk = jobs[first : first + concurrency]
+        for chunk in _chunks(jobs, concurrency):
             records += _measure_chunk(client, references, layout, chunk, pool)
     return records
+
+
+def _chunks(jobs: list[tuple[Example, str]], size: int) -> list[list[tuple[Example, str]]]:
+    """``jobs`` in order, ``size`` at a time, never one example twice in a chunk: two
+    scenarios of one example share its images, and the first warm-up to store them
+    would decide what the other probe reuses."""
+    chunks: list[list[tuple[Example, str]]] = []
+    current: list[tuple[Example, str]] = []
+    for job in jobs:
+        if len(current) == size or any(job[0] is other for other, _ in current):
+            chunks.append(current)
+            current = []
+        current.append(job)
+    return [*chunks, current] if current else chunks
 
 
 def _measure_chunk(client, references, layout, chunk, pool) -> list[ProbeRecord]:
