@@ -100,9 +100,10 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             "--enable-lora / --lora-paths: refresh sub-batches do not re-prepare LoRA metadata",
         ),
         (
-            args.enable_mixed_chunk and config.compresses_at_decode,
-            "--enable-mixed-chunk with "
-            "--mm-compress-at decode: mixed batches re-derive positions a compressed row lacks",
+            args.enable_mixed_chunk and (config.compresses_at_decode or config.reuses_with_holes),
+            "--enable-mixed-chunk with rows that shrink after prefill (--mm-compress-at decode, "
+            "or reuse with holes: set --mm-compressed-reuse recompute): mixed batches re-derive "
+            "positions a shrunk row lacks",
         ),
         (
             args.kv_cache_dtype not in PLAIN_KV_DTYPES,

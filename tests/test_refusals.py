@@ -31,6 +31,11 @@ FLAG_CASES = [
         ["--enable-mixed-chunk", "--mm-evict", "snapkv", "--mm-compress-at", "decode"],
         "--enable-mixed-chunk",
     ),
+    (
+        "mixed chunk + reuse with holes",
+        ["--enable-mixed-chunk", "--mm-evict", "snapkv"],
+        "--enable-mixed-chunk",
+    ),
     ("abbreviated flag", ["--disable-radix"], "--disable-radix-cache"),
 ]
 

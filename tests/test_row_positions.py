@@ -18,10 +18,8 @@ from sgl_mmkv.refresh.row_positions import (
 
 def test_each_request_moves_by_its_own_offset():
     decode = torch.tensor([9, 20, 31], dtype=torch.int32)
-    moved = positions_after_holes(decode, [0, 16, 3], None)
+    moved = positions_after_holes(decode, [0, 16, 3])
     assert moved.tolist() == [9, 36, 34] and moved.dtype == torch.int32
-    extend = torch.arange(5)
-    assert positions_after_holes(extend, [2, 0], [3, 2]).tolist() == [2, 3, 4, 3, 4]
 
 
 def _req(prompt: int, outputs: int = 0, offset: int | None = None):
@@ -47,12 +45,12 @@ def test_decode_positions_of_a_1d_model_follow_the_sequence():
     assert out.positions.tolist() == [42, 12]
 
 
-def test_extends_record_whole_lengths_and_shift_only_offset_requests():
-    reqs = [_req(40, 0), _req(12, 2, offset=4)]  # a fresh prompt; a decode in a mixed batch
-    batch = _batch(ForwardMode.MIXED, [0, 1, 2, 9], extend_lens=[3, 1])
+def test_extends_record_whole_lengths_and_keep_their_positions():
+    reqs = [_req(40, 0), _req(12, 2, offset=4)]  # an offset never moves an extend
+    batch = _batch(ForwardMode.EXTEND, [0, 1, 2, 9], extend_lens=[3, 1])
     out = after_init_new(batch, None, SimpleNamespace(reqs=reqs))
     assert getattr(out, FULL_LENS) == [40, 14]
-    assert out.positions.tolist() == [0, 1, 2, 13]
+    assert out.positions.tolist() == [0, 1, 2, 9]
 
 
 def test_mrope_batches_keep_their_positions():

@@ -9,10 +9,13 @@ models what M-RoPE models get from their per-request position offset:
   (``forward_batch.sgl_mmkv_full_lens``), so the refresh executor plans holes only
   in a request's last prefill chunk (the row shrinks right after it);
 - a request whose row dropped ``d`` hole slots (``req.sgl_mmkv_position_offset``,
-  set by :class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`) has every later
-  token's position moved up by ``d``: SGLang derives a token's position from the
-  row's length (``seq_len - 1`` for a decode token), which is now ``d`` short of
-  the sequence's. M-RoPE batches are left alone (their offset moved instead).
+  set by :class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`) has every decode
+  token's position moved up by ``d``: SGLang derives it from the row's length
+  (``seq_len - 1``), which is now ``d`` short of the sequence's. M-RoPE batches are
+  left alone (their offset moved instead). A shrunk row never extends again: a
+  retracted request prefills from its original inputs (offset put back to 0), and
+  ``--enable-mixed-chunk``, which would run its decode steps as extends, is refused
+  at start-up.
 """
 
 from __future__ import annotations
@@ -33,16 +36,14 @@ def after_init_new(forward_batch: Any, _cls: Any, batch: Any, *args: Any, **kwar
     mode = forward_batch.forward_mode
     if not reqs or mode.is_idle():
         return forward_batch
-    extend = mode.is_extend_or_draft_extend_or_mixed()  # EXTEND, MIXED, SPLIT_PREFILL
-    if extend:
+    if mode.is_extend_or_draft_extend_or_mixed():  # EXTEND, MIXED, SPLIT_PREFILL
         full_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
         setattr(forward_batch, FULL_LENS, full_lens)
-    if forward_batch.mrope_positions is not None or not (extend or mode.is_decode()):
+    if not mode.is_decode() or forward_batch.mrope_positions is not None:
         return forward_batch
     offsets = [position_offset(r) for r in reqs]
     if any(offsets):
-        counts = list(forward_batch.extend_seq_lens_cpu) if extend else None
-        forward_batch.positions = positions_after_holes(forward_batch.positions, offsets, counts)
+        forward_batch.positions = positions_after_holes(forward_batch.positions, offsets)
     return forward_batch
 
 

@@ -3,7 +3,7 @@
 A row that dropped ``d`` hole slots after its prefill (:mod:`row_compaction`) is
 ``d`` shorter than its sequence. M-RoPE models move their per-request offset; for
 1-D RoPE models the request carries :data:`POSITION_OFFSET` and
-``patches/forward_batch_positions.py`` adds it to every later token's position.
+``patches/forward_batch_positions.py`` adds it to each of its decode positions.
 """
 
 from __future__ import annotations
@@ -23,13 +23,7 @@ def position_offset(req: Any) -> int:
     return getattr(req, POSITION_OFFSET, 0)
 
 
-def positions_after_holes(
-    positions: torch.Tensor, offsets: list[int], tokens_per_request: list[int] | None
-) -> torch.Tensor:
-    """``positions`` ``(T,)`` with request ``i``'s tokens moved up by ``offsets[i]``;
-    ``tokens_per_request``: each request's token count (None: one token each)."""
-    shift = torch.tensor(offsets, dtype=positions.dtype, device=positions.device)
-    if tokens_per_request is not None:
-        counts = torch.tensor(tokens_per_request, device=positions.device)
-        shift = shift.repeat_interleave(counts)
-    return positions + shift
+def positions_after_holes(positions: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Decode ``positions`` ``(B,)`` (one token per request) with request ``i``'s moved
+    up by ``offsets[i]``."""
+    return positions + torch.tensor(offsets, dtype=positions.dtype, device=positions.device)
