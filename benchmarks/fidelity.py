@@ -33,6 +33,12 @@ from sgl_mmkv.benchmarking.fidelity import (
     summarise,
     to_json,
 )
+from sgl_mmkv.benchmarking.conduit_ablations import (
+    LABEL_PREFIX,
+    ablation_knobs,
+    ablation_label,
+    scorer_args,
+)
 from sgl_mmkv.benchmarking.fidelity_task import model_split
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
@@ -74,8 +80,15 @@ def decode_compression_server_for(
 
 
 def server_for(
-    mode: str, model: Path, budget: float | None, log_dir: Path, segment_fill: str = "first"
+    mode: str,
+    model: Path,
+    budget: float | None,
+    log_dir: Path,
+    segment_fill: str = "first",
+    ablation: str | None = None,
 ) -> ServerProcess:
+    """The server of ``mode`` at ``budget``; ``ablation``: a CONDUIT ablation's name
+    (``mode`` is then ``conduit``, with that ablation's scorer knobs)."""
     if mode == "stock":
         return ServerProcess(
             "sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log_dir / "stock.log"
@@ -83,9 +96,12 @@ def server_for(
     extra = ["--mm-reuse", mode]
     if budget is not None:
         extra += ["--mm-refresh-budget", str(budget)]
+    if ablation is not None:
+        extra += ["--mm-refresh-scorer-args", scorer_args(ablation)]
     if mode not in CACHE_ONLY_MODES:
         extra += ["--mm-segment-fill", segment_fill, *MEASURE_EVERY_MATCH]
-    name = f"{mode}" + (f"_{budget}" if budget is not None else "")
+    name = ablation_label(ablation) if ablation is not None else mode
+    name += f"_{budget}" if budget is not None else ""
     return mmkv_server(extra, model, log_dir / f"{name}.log")
 
 
@@ -128,9 +144,10 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
         ends = {s.mode: s for s in rows if s.mode in UNBUDGETED_REFRESH}
         for i, mode in enumerate(dict.fromkeys(s.mode for s in rows)):
             mine = [s for s in rows if s.mode == mode]
-            if mode in BUDGETED_MODES or mode.startswith(("kv:", "decode:")):
+            refresh = mode in BUDGETED_MODES or mode.startswith(LABEL_PREFIX)
+            if refresh or mode.startswith(("kv:", "decode:")):
                 points = [(s.budget, s) for s in mine]
-                if mode in BUDGETED_MODES:
+                if refresh:
                     points += [(UNBUDGETED_REFRESH[m], e) for m, e in ends.items()]
                 points.sort(key=lambda point: point[0])
                 xs = [x for x, _ in points]
@@ -183,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--budgets", default="0.05,0.1,0.2", help="for budgeted modes")
     parser.add_argument(
+        "--conduit-ablations",
+        default="",
+        help="CONDUIT with one part off, each at every --budgets value (e.g. no_value_norm,"
+        "no_amplification,last_text,layers_0_1); labelled conduit-<name>",
+    )
+    parser.add_argument(
         "--segment-fill",
         choices=sorted(SEGMENT_FILL_POLICIES),
         default="first",
@@ -215,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     budgets = [float(b) for b in args.budgets.split(",") if b]
+    ablations = [a for a in args.conduit_ablations.split(",") if a]
+    for name in ablations:
+        try:
+            ablation_knobs(name)
+        except ValueError as exc:
+            parser.error(str(exc))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     examples = model_split(args.model_path, "test", args.num_examples)
     layout = PromptLayout(str(args.model_path))
@@ -226,6 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets if mode in BUDGETED_MODES else [UNBUDGETED_REFRESH.get(mode)]:
             label = mode if budget is None else f"{mode}@{budget}"
             server = server_for(mode, args.model_path, budget, args.out_dir, args.segment_fill)
+            records[label], _ = measure_on(
+                server, label, layout, examples, scenarios, concurrency=args.concurrency
+            )
+            summaries += summarise(mode, records[label], budget)
+    for name in ablations:
+        mode = ablation_label(name)
+        for budget in budgets:
+            label = f"{mode}@{budget}"
+            server = server_for(
+                "conduit", args.model_path, budget, args.out_dir, args.segment_fill, name
+            )
             records[label], _ = measure_on(
                 server, label, layout, examples, scenarios, concurrency=args.concurrency
             )

@@ -12,7 +12,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS
+from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS, make_refresh_scorer
+from sgl_mmkv.scoring.knobs import parse_knobs, scorer_knobs
 
 CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 
@@ -103,6 +104,8 @@ class MMKVConfig:
         mm_reuse: one of :data:`REUSE_MODES`.
         mm_refresh_budget: fraction of reused image tokens recomputed, in [0, 1]
             (0 recomputes only the text, as ``reuse``).
+        mm_refresh_scorer_args: JSON object of the ``--mm-reuse`` scorer's knobs
+            (empty: its defaults), e.g. ``{"use_value_norm": false}`` for an ablation.
         mm_segment_fill: one of :data:`SEGMENT_FILL_POLICIES`.
         mm_evict: one of :data:`EVICTION_POLICIES`.
         mm_kv_budget: fraction of a segment's visual tokens kept when compressing,
@@ -122,6 +125,12 @@ class MMKVConfig:
     mm_reuse: str = _flag("off", "image KV reuse mode", REUSE_MODES)
     mm_refresh_budget: float = _flag(
         DEFAULT_REFRESH_BUDGET, "fraction of reused image tokens recomputed, in [0, 1]"
+    )
+    mm_refresh_scorer_args: str = _flag(
+        "",
+        "JSON object of the --mm-reuse scorer's knobs, e.g. '{\"use_value_norm\": false}' "
+        f"(conduit's: {', '.join(scorer_knobs(REFRESH_SCORERS['conduit']))})",
+        metavar="JSON",
     )
     mm_segment_fill: str = _flag(
         DEFAULT_SEGMENT_FILL, "how a new image's KV enters the segment store", SEGMENT_FILL_POLICIES
@@ -175,6 +184,7 @@ class MMKVConfig:
         budget = self.mm_refresh_budget
         if not (_is_real(budget) and 0.0 <= budget <= 1.0):
             raise ConfigError(f"--mm-refresh-budget must be in [0, 1], got {budget!r}")
+        self._check_scorer_args()
         _require_choice("--mm-segment-fill", self.mm_segment_fill, SEGMENT_FILL_POLICIES)
         if self.mm_segment_fill != DEFAULT_SEGMENT_FILL and not self.uses_refresh:
             raise ConfigError(
@@ -193,6 +203,34 @@ class MMKVConfig:
             raise ConfigError("--mm-report-reuse needs --mm-reuse other than off")
         self._check_eviction()
         self._check_storage()
+
+    def _check_scorer_args(self) -> None:
+        if not isinstance(self.mm_refresh_scorer_args, str):
+            raise ConfigError(
+                f"--mm-refresh-scorer-args must be a JSON object, got {self.mm_refresh_scorer_args!r}"
+            )
+        if self.mm_refresh_scorer_args and not self.uses_refresh:
+            raise ConfigError(
+                f"--mm-refresh-scorer-args needs a refresh mode of --mm-reuse, not {self.mm_reuse}"
+            )
+        if not self.uses_refresh:
+            return
+        try:
+            make_refresh_scorer(self.mm_reuse, **self.refresh_scorer_knobs())
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"--mm-refresh-scorer-args: {exc}") from exc
+
+    def refresh_scorer_knobs(self) -> dict:
+        """``--mm-refresh-scorer-args`` as keyword arguments of the scorer (empty: none)."""
+        if not self.uses_refresh:
+            return {}
+        return parse_knobs(REFRESH_SCORERS[self.mm_reuse], self.mm_refresh_scorer_args)
+
+    @property
+    def scored_layers(self) -> tuple[int, ...] | None:
+        """The model layers the refresh scorer averages over (None: every layer)."""
+        layers = self.refresh_scorer_knobs().get("layers")
+        return None if layers is None else tuple(layers)
 
     def _check_storage(self) -> None:
         name = self.mm_segment_storage

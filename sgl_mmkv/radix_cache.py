@@ -138,7 +138,7 @@ class MMKVRadixCache(UnifiedRadixCache):
             )
         self.refresh_executor = RefreshExecutor(
             self.segment_store,
-            make_refresh_scorer(config.mm_reuse),
+            make_refresh_scorer(config.mm_reuse, **config.refresh_scorer_knobs()),
             config.mm_refresh_budget,
             fill_policy=config.mm_segment_fill,
             gate=config.mm_reuse_gate,
@@ -230,6 +230,8 @@ class MMKVRadixCache(UnifiedRadixCache):
             "kv_budget": self.mmkv_config.mm_kv_budget,
             **self.counter_groups(),
         }
+        if self.refresh_executor is not None:
+            stats["refresh_scorer"] = repr(self.refresh_executor.scorer)
         if self.segment_store is not None:
             stats["pool"] = self.pool_ledger()
         return stats

@@ -124,6 +124,8 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
         if refused:
             raise ConfigError(f"{mode} cannot run with {reason}")
     check_model(mode, args.model_path, config.compresses_at_decode)
+    if config.scored_layers is not None:
+        check_scored_layers(config.scored_layers, args.model_path)
     if config.uses_segment_storage:
         check_storage_backend(config.mm_segment_storage)
 
@@ -155,6 +157,17 @@ def _model_config(model_path: str) -> dict:
             f"cannot read the config of {model_path} ({exc.__class__.__name__}): refresh "
             "modes check the model's architecture and rotary before starting"
         ) from exc
+
+
+def check_scored_layers(layers: tuple[int, ...], model_path: str) -> None:
+    """Refuse scorer ``layers`` the model does not have."""
+    config = _model_config(model_path)
+    num_layers = (config.get("text_config") or config).get("num_hidden_layers")
+    if num_layers is not None and max(layers) >= num_layers:
+        raise ConfigError(
+            f"--mm-refresh-scorer-args layers {list(layers)}: the model has {num_layers} "
+            f"layers (ids 0-{num_layers - 1})"
+        )
 
 
 def rope_type(config: dict) -> str | None:

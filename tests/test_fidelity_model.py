@@ -101,6 +101,10 @@ def test_benchmark_script_runs_end_to_end(tmp_path, tiny_vlm):
             str(tiny_vlm),
             "--modes",
             "exact",
+            "--conduit-ablations",
+            "layers_1",
+            "--budgets",
+            "0.5",
             "--num-examples",
             "2",
             "--scenarios",
@@ -115,8 +119,11 @@ def test_benchmark_script_runs_end_to_end(tmp_path, tiny_vlm):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "fidelity.json").read_text())
     rows = {(s["mode"], s["scenario"]): s for s in data["summaries"]}
-    assert set(rows) == {("exact", "repeat"), ("exact", "changed_prefix")}
+    ablation = "conduit-layers_1"
+    assert set(rows) == {(m, s) for m in ("exact", ablation) for s in ("repeat", "changed_prefix")}
     assert all(s["n"] == 2 for s in rows.values())
+    assert rows[(ablation, "repeat")]["budget"] == 0.5
+    assert set(data["records"]) == {"exact", f"{ablation}@0.5"}
     assert (tmp_path / "fidelity.png").stat().st_size > 10_000
     assert "changed_prefix" in result.stdout
 

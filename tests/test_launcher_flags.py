@@ -37,6 +37,21 @@ def test_budget_is_parsed():
     assert config.mm_refresh_budget == 0.25
 
 
+def test_scorer_args_reach_the_scorer_and_are_off_by_default():
+    knobs = '{"use_value_norm": false, "query_span": "last_text", "layers": [3, 1]}'
+    config, argv = resolve_args(["--mm-reuse", "conduit", "--mm-refresh-scorer-args", knobs])
+    assert "--mm-refresh-scorer-args" not in argv
+    assert config.refresh_scorer_knobs() == {
+        "use_value_norm": False,
+        "query_span": "last_text",
+        "layers": [3, 1],
+    }
+    assert config.scored_layers == (3, 1)
+    assert MMKVConfig.from_json(config.to_json()) == config
+    default, _ = resolve_args(["--mm-reuse", "conduit"])
+    assert default.refresh_scorer_knobs() == {} and default.scored_layers is None
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -94,6 +109,44 @@ def test_budget_is_parsed():
             ["--mm-reuse", "conduit", "--mm-segment-storage", "mooncake"]
             + ["--mm-segment-storage-config", "{bad"],
             "--mm-segment-storage-config is not JSON",
+        ),
+        (
+            ["--mm-reuse", "exact", "--mm-refresh-scorer-args", '{"layers": [0]}'],
+            "--mm-refresh-scorer-args needs a refresh mode of --mm-reuse, not exact",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-scorer-args", '{"alpha": 1}'],
+            "conduit has no knob 'alpha' \\(its knobs: amplification, use_value_norm, query_span",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-scorer-args", '{"use_value_norm": "no"}'],
+            "knob 'use_value_norm' takes a value like True, got 'no'",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-scorer-args", '{"query_span": "all"}'],
+            "query_span 'all' is unknown; choose one of tail_text, last_text",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-scorer-args", '{"layers": []}'],
+            "layers must be a non-empty list of layer ids",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-scorer-args", '{"layers": [1.5]}'],
+            "layers must be a non-empty list of layer ids",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-scorer-args", '{"amplification": -1}'],
+            "amplification must be >= 0",
+        ),
+        (["--mm-reuse", "conduit", "--mm-refresh-scorer-args", "[1]"], "must be a JSON object"),
+        (["--mm-reuse", "conduit", "--mm-refresh-scorer-args", "{x"], "not JSON"),
+        (
+            ["--mm-reuse", "random", "--mm-refresh-scorer-args", '{"seed": 0.5}'],
+            "knob 'seed' takes a value like 0, got 0.5",
+        ),
+        (
+            ["--mm-reuse", "first", "--mm-refresh-scorer-args", '{"seed": 1}'],
+            "first has no knob 'seed' \\(its knobs: none\\)",
         ),
     ],
 )

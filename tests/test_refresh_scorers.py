@@ -92,6 +92,69 @@ def test_conduit_is_prophetkv_times_value_norm_times_image_factor():
     torch.testing.assert_close(make_refresh_scorer("prophetkv").score(inputs), alpha.mean(0))
 
 
+def _alpha(inputs, layers=None, last_only=False):
+    """``(L', N_v)`` attention mass per layer of the visual tokens, by hand."""
+    pos, qpos = inputs.visual_positions, inputs.query_positions
+    out = []
+    for i, (q, k) in enumerate(zip(inputs.queries, inputs.keys, strict=True)):
+        if layers is None or i in layers:
+            q_, p_ = (q[-1:], qpos[-1:]) if last_only else (q, qpos)
+            out.append(attention_mass(q_, k, p_)[pos])
+    return torch.stack(out)
+
+
+def test_each_conduit_knob_switches_off_one_part():
+    """The ablations' parts, each against its formula: value norm, amplification, the
+    query span and the layer set are independent knobs of one score."""
+    inputs = make_inputs(seed=9, layers=4)
+    pos, ids = inputs.visual_positions, inputs.image_ids()
+    vnorm = torch.stack([v[pos].flatten(1).norm(dim=-1) for v in inputs.values])
+
+    def amplified(s):
+        return s * image_amplification(s, ids, 1.0)
+
+    def conduit(**knobs):
+        return make_refresh_scorer("conduit", **knobs).score(inputs)
+
+    close = dict(rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(conduit(use_value_norm=False), amplified(_alpha(inputs).mean(0)))
+    torch.testing.assert_close(conduit(amplification=0.0), (_alpha(inputs) * vnorm).mean(0))
+    torch.testing.assert_close(
+        conduit(query_span="last_text"),
+        amplified((_alpha(inputs, last_only=True) * vnorm).mean(0)),
+        **close,
+    )
+    torch.testing.assert_close(
+        conduit(layers=[3, 1]),
+        amplified((_alpha(inputs, layers={1, 3}) * vnorm[[1, 3]]).mean(0)),
+        **close,
+    )
+    both_off = conduit(use_value_norm=False, amplification=0.0)
+    assert torch.equal(both_off, make_refresh_scorer("prophetkv").score(inputs))
+    # the parts matter here: each knob changes the 10 % selection or the scores
+    default = make_refresh_scorer("conduit").select(inputs, 0.1)
+    for knobs in ({"use_value_norm": False}, {"query_span": "last_text"}, {"layers": [0]}):
+        assert not torch.equal(make_refresh_scorer("conduit", **knobs).select(inputs, 0.1), default)
+
+
+def test_conduit_layers_name_model_layers_not_list_indices():
+    """With ``layer_ids`` the scored entries are layers 4..7; ``layers=[5]`` is the
+    second entry, and a layer that was not scored is an error, not a silent mean."""
+    inputs = make_inputs(seed=10, layers=4)
+    shifted = ScoringInputs(
+        inputs.queries,
+        inputs.keys,
+        inputs.values,
+        inputs.query_positions,
+        inputs.image_spans,
+        layer_ids=(4, 5, 6, 7),
+    )
+    one = make_refresh_scorer("conduit", layers=[5], amplification=0.0, use_value_norm=False)
+    torch.testing.assert_close(one.score(shifted), _alpha(inputs, layers={1})[0])
+    with pytest.raises(ValueError, match=r"layers \[2\] were not scored \(\(4, 5, 6, 7\)\)"):
+        make_refresh_scorer("conduit", layers=[2]).score(shifted)
+
+
 def test_image_amplification_is_one_for_a_single_image_and_averages_to_one():
     scores = torch.rand(16)
     assert torch.equal(

@@ -282,3 +282,33 @@ def test_bad_requests_leave_the_refresh_server_serving_and_the_ledger_exact(serv
     assert text
     assert after["store"]["hits"] - before["store"]["hits"] == 1
     assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]
+
+
+def test_scorer_knobs_reach_the_scheduler_and_select_within_the_budget(tiny_vlm, tmp_path_factory):
+    """``--mm-refresh-scorer-args`` builds the scorer the spawned scheduler runs: the
+    server reports it, and a reordered request refreshes ceil(0.25 x 48) tokens."""
+    log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_knobs.log"
+    knobs = '{"use_value_norm": false, "query_span": "last_text", "layers": [1]}'
+    args = _server_args(
+        *("--mm-reuse", "conduit", "--mm-refresh-budget", "0.25"),
+        *("--mm-refresh-scorer-args", knobs),
+    )
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
+        stats = _stats(proc)
+        assert stats["refresh_scorer"] == (
+            "ConduitScorer(amplification=1.0, use_value_norm=False, "
+            "query_span='last_text', layers=(1,))"
+        )
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
+        images = [make_image(700 + i) for i in range(3)]
+        _chat(client, _conversation("You are a helpful assistant.", images))
+        before = _stats(proc)
+        text, logprobs = _chat(client, _conversation("Another prompt.", images[::-1]))
+        after = _stats(proc)
+        reused = after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"]
+        refreshed = after["refresh"]["refreshed_tokens"] - before["refresh"]["refreshed_tokens"]
+        assert reused == 3 * TOKENS_PER_IMAGE
+        assert refreshed == 12  # ceil(0.25 * 48)
+        assert text and len(logprobs) == 5
+        assert after["refresh"]["fallbacks"] == 0
+        assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sgl_mmkv.config import ConfigError
-from sgl_mmkv.support import check_model
+from sgl_mmkv.support import check_model, check_scored_layers
 from sgl_mmkv.testing.server import stock_cpu_env
 
 # (case, extra flags, what the one-line reason must name)
@@ -134,6 +134,16 @@ def test_other_rotary_scalings_are_refused_in_one_line(tmp_path, kind, field):
     line = str(refused.value)
     assert "\n" not in line and f"{kind} rotary scaling" in line
     assert "supported scalings: linear, dynamic, yarn, llama3" in line
+
+
+def test_scorer_layers_the_model_lacks_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    check_scored_layers((0, 3), str(tmp_path))
+    with pytest.raises(ConfigError) as refused:
+        check_scored_layers((2, 4), str(tmp_path))
+    assert str(refused.value) == (
+        "--mm-refresh-scorer-args layers [2, 4]: the model has 4 layers (ids 0-3)"
+    )
 
 
 def _model_of_class(tmp_path, name: str) -> str:

@@ -425,8 +425,9 @@ class RefreshExecutor:
         view = self._views[plan.index]
         if view is not None:
             query_positions = view.compact(query_positions)
-        queries = tuple(per_layer[layer] for layer in sorted(per_layer))
-        return ScoringInputs(queries, keys, values, query_positions, spans)
+        layers = tuple(sorted(per_layer))
+        queries = tuple(per_layer[layer] for layer in layers)
+        return ScoringInputs(queries, keys, values, query_positions, spans, layer_ids=layers)
 
     def _spans(self, plan: RequestPlan) -> tuple[tuple[int, int], ...]:
         """The reused spans of ``plan``, in its row without holes."""

@@ -41,6 +41,7 @@ class ScoringInputs:
         project_queries: optional ``f(layer, x, positions) -> (S, H_q, d)``: the
             layer's ``q_proj`` of ``x`` ``(S, D)`` with RoPE at text positions
             ``positions`` ``(S,)`` (MM-ShiftKV's query proxies).
+        layer_ids: optional, the model layer of each per-layer entry (None: 0, 1, ...).
     """
 
     queries: tuple[torch.Tensor, ...]
@@ -52,6 +53,7 @@ class ScoringInputs:
     fresh_values: tuple[torch.Tensor, ...] | None = None
     hidden_stats: tuple[tuple[float, float, int], ...] | None = None
     project_queries: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    layer_ids: tuple[int, ...] | None = None
 
     @property
     def visual_positions(self) -> torch.Tensor:
