@@ -21,6 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+from sgl_mmkv.benchmarking.conduit_ablations import (
+    LABEL_PREFIX,
+    ablation_knobs,
+    ablation_label,
+    scorer_args,
+)
 from sgl_mmkv.benchmarking.fidelity import (
     COLD,
     SCENARIOS,
@@ -32,12 +38,6 @@ from sgl_mmkv.benchmarking.fidelity import (
     measure,
     summarise,
     to_json,
-)
-from sgl_mmkv.benchmarking.conduit_ablations import (
-    LABEL_PREFIX,
-    ablation_knobs,
-    ablation_label,
-    scorer_args,
 )
 from sgl_mmkv.benchmarking.fidelity_task import model_split
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES

@@ -205,11 +205,10 @@ class MMKVConfig:
         self._check_storage()
 
     def _check_scorer_args(self) -> None:
-        if not isinstance(self.mm_refresh_scorer_args, str):
-            raise ConfigError(
-                f"--mm-refresh-scorer-args must be a JSON object, got {self.mm_refresh_scorer_args!r}"
-            )
-        if self.mm_refresh_scorer_args and not self.uses_refresh:
+        text = self.mm_refresh_scorer_args
+        if not isinstance(text, str):
+            raise ConfigError(f"--mm-refresh-scorer-args must be a JSON object, got {text!r}")
+        if text and not self.uses_refresh:
             raise ConfigError(
                 f"--mm-refresh-scorer-args needs a refresh mode of --mm-reuse, not {self.mm_reuse}"
             )
