@@ -33,12 +33,9 @@ from sgl_mmkv.benchmarking.fidelity import (
     FidelityClient,
     PromptLayout,
     ReferenceReplies,
-    ScenarioSummary,
-    format_table,
     measure,
-    summarise,
-    to_json,
 )
+from sgl_mmkv.benchmarking.fidelity_summary import ScenarioSummary, format_table, summarise, to_json
 from sgl_mmkv.benchmarking.fidelity_task import model_split
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process

@@ -19,8 +19,8 @@ from sgl_mmkv.benchmarking.fidelity import (
     PromptLayout,
     ReferenceReplies,
     measure,
-    summarise,
 )
+from sgl_mmkv.benchmarking.fidelity_summary import summarise
 from sgl_mmkv.benchmarking.fidelity_task import make_split
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess
 from training.evaluate_fidelity_model import accuracy_report, full_prefill_answers

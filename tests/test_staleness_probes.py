@@ -41,3 +41,34 @@ def test_gap_is_full_minus_worst_context():
         "| next | committed | 4 | 64 | 800 | 0.020 | 0.875 | 0.875 | 0.109 | 0.344 | +0.766 | 667 |"
         in table
     )
+
+
+def test_second_turn_prompts_label_only_the_answer_and_keep_old_recipes():
+    """With ``turn_fraction`` 1 every prompt is a second turn after the same images in
+    another order, and the labels are still exactly the answer; with 0 the batch and
+    the random stream are what they were before the option existed."""
+    import random
+
+    from transformers import AutoProcessor
+
+    from training.staleness_probes import training_batch
+    from training.staleness_tasks import make_stale_example
+    from training.train_fidelity_model import ALT_SYSTEM_PROMPTS, PREAMBLES
+
+    processor = AutoProcessor.from_pretrained(MODEL)
+    examples = [make_stale_example("next", "train", i, 3) for i in range(2)]
+    batch = training_batch(processor, examples, random.Random(0), turn_fraction=1.0)
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for row, example in enumerate(examples):
+        ids = batch["input_ids"][row]
+        labelled = ids[batch["labels"][row] != -100]
+        assert processor.tokenizer.decode(labelled) == example.answer + "<|im_end|>\n"
+        text = processor.tokenizer.decode(ids[batch["attention_mask"][row].bool()])
+        assert text.count("Remember these.") == 1 and text.count("<|im_start|>user") == 2
+        assert int((ids == image_pad).sum()) == 2 * 3 * 16  # both turns' images
+    rng, replay = random.Random(1), random.Random(1)
+    plain = training_batch(processor, examples, rng)
+    for _ in examples:
+        replay.choice(ALT_SYSTEM_PROMPTS), replay.choice(PREAMBLES)
+    assert rng.random() == replay.random()
+    assert "Remember these." not in processor.tokenizer.decode(plain["input_ids"][0])

@@ -119,7 +119,8 @@ def staleness_report(
 ) -> dict[str, dict[str, float]]:
     """Per reuse scenario: full-prefill accuracy and the accuracy of plain reuse (refresh
     budget 0) through an sgl_mmkv server, on ``examples`` and on the test subset."""
-    from sgl_mmkv.benchmarking.fidelity import FidelityClient, PromptLayout, measure, summarise
+    from sgl_mmkv.benchmarking.fidelity import FidelityClient, PromptLayout, measure
+    from sgl_mmkv.benchmarking.fidelity_summary import summarise
     from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
     flags = ["--mm-reuse", "reuse", *CPU_SERVER_ARGS]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_mmkv.benchmarking.fidelity_task import REMEMBER, two_turns
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
 from training.stale_reuse import CONTEXTS, TOKENS_PER_IMAGE, staleness_accuracy
 from training.staleness_tasks import VARIANT_NAMES, StaleExample, make_stale_example, stale_messages
@@ -61,12 +62,16 @@ class ProbeConfig:
     seed: int
     init: str  # "committed" or "scratch"
     layers: int
+    # fraction of training prompts shown as a second turn, after a first turn that
+    # showed the same images in another order (the turn_reordered scenario)
+    turn_fraction: float = 0.0
 
     @property
     def name(self) -> str:
         init = "" if self.init == "committed" else f"-{self.init}"
         depth = "" if self.layers == FIDELITY_SPEC.num_layers else f"-{self.layers}L"
-        return f"{self.variant}{depth}{init}"
+        turns = f"-turns{self.turn_fraction:g}" if self.turn_fraction else ""
+        return f"{self.variant}{depth}{init}{turns}"
 
 
 def deepen(model, layers: int):
@@ -109,8 +114,13 @@ def load_model(config: ProbeConfig, checkpoint: Path):
     return model, processor
 
 
-def training_batch(processor, examples: list[StaleExample], rng: random.Random) -> dict:
-    """A padded batch (varied system prompt and preamble) whose labels are the answers."""
+def training_batch(
+    processor, examples: list[StaleExample], rng: random.Random, turn_fraction: float = 0.0
+) -> dict:
+    """A padded batch (varied system prompt and preamble) whose labels are the answers.
+
+    ``turn_fraction`` of the prompts are second turns: a first turn shows the same
+    images in a random other order (question :data:`REMEMBER`), then the prompt."""
     texts, images, starts = [], [], []
     for example in examples:
         ims: list = []
@@ -119,9 +129,16 @@ def training_batch(processor, examples: list[StaleExample], rng: random.Random) 
             ims.append(image)
             return {"type": "image"}
 
-        messages = stale_messages(
-            example, part, system=rng.choice(ALT_SYSTEM_PROMPTS), preamble=rng.choice(PREAMBLES)
-        )
+        system = rng.choice(ALT_SYSTEM_PROMPTS)
+        earlier = None
+        if turn_fraction and rng.random() < turn_fraction:  # no draw: old recipes replay
+            order = list(range(len(example.images)))
+            while len(order) > 1 and order == sorted(order):
+                rng.shuffle(order)
+            earlier = stale_messages(example, part, system=system, order=order, question=REMEMBER)
+        messages = stale_messages(example, part, system=system, preamble=rng.choice(PREAMBLES))
+        if earlier is not None:
+            messages = two_turns(earlier, messages[1])
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
         texts.append(prompt + example.answer + "<|im_end|>\n")
         images.extend(ims)
@@ -172,7 +189,8 @@ def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED, save: Path | No
             )
             for _ in range(config.batch_size)
         ]
-        loss = training_step(model, training_batch(processor, examples, rng), optimizer, schedule)
+        batch = training_batch(processor, examples, rng, config.turn_fraction)
+        loss = training_step(model, batch, optimizer, schedule)
         if step % config.eval_every == 0 or step == config.steps:
             evaluate(step, round(loss.item(), 4))
     result = {"name": config.name, "config": asdict(config), "curve": curve}
@@ -243,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", choices=("committed", "scratch"), default="committed")
     parser.add_argument("--layers", type=int, default=FIDELITY_SPEC.num_layers)
+    parser.add_argument(
+        "--turn-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of training prompts shown as a second turn after the same images "
+        "in another order",
+    )
     parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
     parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
@@ -270,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.init,
             args.layers,
+            args.turn_fraction,
         )
         result = run_probe(config, args.checkpoint, args.save)
         result["command"] = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])

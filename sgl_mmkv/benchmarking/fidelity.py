@@ -16,6 +16,8 @@ Scenarios:
                     image as the one after the dot: stale in the probe)
     multi_turn      turn 1 shows images 1..n-1; turn 2 adds image n and asks about
                     any image (the earlier ones asked about again)
+    turn_reordered  turn 1 shows the images in reverse order; turn 2 shows them
+                    again, in order, with the question (reused across turns, stale)
     cold            no warm-up: the probe is the prompt served cold, for servers
                     that change decoding (``--mm-compress-at decode``); its
                     reference comes from another, uncompressed server
@@ -28,23 +30,31 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import openai
 
-from sgl_mmkv.benchmarking.bootstrap import paired_intervals
 from sgl_mmkv.benchmarking.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
+    REMEMBER,
     Example,
     ShapeImage,
     chat_messages,
     score,
+    two_turns,
 )
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import flush_cache, mmkv_stats
 
-SCENARIOS = ("repeat", "changed_prefix", "reordered", "multi_turn", "image_prefix")
+SCENARIOS = (
+    "repeat",
+    "changed_prefix",
+    "reordered",
+    "multi_turn",
+    "image_prefix",
+    "turn_reordered",
+)
 COLD = "cold"
 TOP_K = 10
 MAX_TOKENS = 6
@@ -87,30 +97,6 @@ class ProbeRecord:
     probe_latency_s: float
     probe_reused_tokens: float = 0
     probe_refreshed_tokens: float = 0
-
-
-@dataclass(slots=True)
-class ScenarioSummary:
-    mode: str
-    budget: float | None
-    scenario: str
-    n: int
-    full_prefill_accuracy: float
-    accuracy: float
-    relative_accuracy: float
-    first_token_agreement: float
-    reply_agreement: float  # the probe's whole reply equals the reference's
-    mean_first_token_kl: float
-    mean_prompt_tokens: float
-    mean_cached_tokens: float
-    mean_cached_image_tokens: float
-    mean_reused_tokens: float
-    mean_refreshed_tokens: float
-    mean_probe_latency_s: float
-    per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
-    # 95 % paired bootstrap intervals (:func:`~sgl_mmkv.benchmarking.bootstrap.paired_intervals`)
-    accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
-    relative_accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
 
 
 def kl_from_top_logprobs(reference: dict[str, float], probe: dict[str, float]) -> float:
@@ -188,6 +174,8 @@ def scenario_requests(
         return [chat_messages(example, part, order=order)], canonical
     if scenario == "multi_turn":
         return _multi_turn(canonical, n)
+    if scenario == "turn_reordered":
+        return _turn_reordered(example, part, canonical)
     if scenario == "image_prefix":
         system, user = chat_messages(example, part, system=OTHER_SYSTEM, preamble=OTHER_PREAMBLE)
         preamble, *rest = user["content"]
@@ -229,6 +217,18 @@ def _multi_turn(full: list[dict], n: int) -> tuple[list[list[dict]], list[dict]]
         {"role": "user", "content": content[split:]},
     ]
     return [turn1], conversation
+
+
+def _turn_reordered(
+    example: Example, part: Callable[..., dict], canonical: list[dict]
+) -> tuple[list[list[dict]], list[dict]]:
+    """Turn 1 shows the images in reverse order; turn 2 shows them again, in order,
+    with the question. Turn 1 is an exact prefix; turn 2's images are reused from
+    turn 1, whose order their KV was computed in."""
+    n = len(example.images)
+    system, user = chat_messages(example, part, order=list(reversed(range(n))))
+    turn1 = [system, {"role": "user", "content": [*user["content"][:-1], _text(REMEMBER)]}]
+    return [turn1], two_turns(turn1, canonical[1])
 
 
 def leading_image(example: Example) -> ShapeImage:
@@ -354,50 +354,6 @@ def _measure_chunk(client, references, layout, chunk, pool) -> list[ProbeRecord]
     return records
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def summarise(
-    mode: str, records: list[ProbeRecord], budget: float | None = None
-) -> list[ScenarioSummary]:
-    summaries = []
-    for scenario in dict.fromkeys(r.scenario for r in records):
-        rs = [r for r in records if r.scenario == scenario]
-        full = _mean([float(r.reference_correct) for r in rs])
-        acc = _mean([float(r.probe_correct) for r in rs])
-        qtypes = sorted({r.qtype for r in rs})
-        intervals = paired_intervals(
-            [float(r.reference_correct) for r in rs], [float(r.probe_correct) for r in rs]
-        )
-        summaries.append(
-            ScenarioSummary(
-                mode=mode,
-                budget=budget,
-                scenario=scenario,
-                n=len(rs),
-                full_prefill_accuracy=full,
-                accuracy=acc,
-                relative_accuracy=acc / full if full > 0 else float("nan"),
-                first_token_agreement=_mean([float(r.first_token_agree) for r in rs]),
-                reply_agreement=_mean([float(r.probe == r.reference) for r in rs]),
-                mean_first_token_kl=_mean([r.first_token_kl for r in rs]),
-                mean_prompt_tokens=_mean([r.prompt_tokens for r in rs]),
-                mean_cached_tokens=_mean([r.probe_cached_tokens for r in rs]),
-                mean_cached_image_tokens=_mean([r.probe_cached_image_tokens for r in rs]),
-                mean_reused_tokens=_mean([r.probe_reused_tokens for r in rs]),
-                mean_refreshed_tokens=_mean([r.probe_refreshed_tokens for r in rs]),
-                mean_probe_latency_s=_mean([r.probe_latency_s for r in rs]),
-                per_qtype_accuracy={
-                    q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
-                },
-                accuracy_ci=intervals["accuracy"],
-                relative_accuracy_ci=intervals["relative_accuracy"],
-            )
-        )
-    return summaries
-
-
 class PromptLayout:
     """Which positions of a prompt are image tokens, from the model's own processor."""
 
@@ -420,38 +376,3 @@ class PromptLayout:
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.processor(text=[text], images=images or None, return_tensors="pt")
         return [int(t) == self.image_token_id for t in ids["input_ids"][0]]
-
-
-def format_table(summaries: list[ScenarioSummary]) -> str:
-    header = (
-        f"{'mode':<13} {'budget':>6} {'scenario':<15} {'n':>4} {'full acc':>8} {'acc':>6} "
-        f"{'acc 95% CI':>13} {'rel acc':>7} {'rel 95% CI':>13} {'1st agree':>9} "
-        f"{'reply agree':>11} {'KL':>8} {'prompt':>7} "
-        f"{'cached':>7} "
-        f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    for s in summaries:
-        budget = "-" if s.budget is None else f"{s.budget:g}"
-        lines.append(
-            f"{s.mode:<13} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
-            f"{s.accuracy:>6.3f} {_interval(s.accuracy_ci):>13} {s.relative_accuracy:>7.3f} "
-            f"{_interval(s.relative_accuracy_ci):>13} {s.first_token_agreement:>9.3f} "
-            f"{s.reply_agreement:>11.3f} {s.mean_first_token_kl:>8.4f} "
-            f"{s.mean_prompt_tokens:>7.1f} {s.mean_cached_tokens:>7.1f} "
-            f"{s.mean_cached_image_tokens:>10.1f} "
-            f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f} "
-            f"{s.mean_probe_latency_s:>9.3f}"
-        )
-    return "\n".join(lines)
-
-
-def _interval(bounds: tuple[float, float]) -> str:
-    return f"[{bounds[0]:.3f},{bounds[1]:.3f}]"
-
-
-def to_json(summaries: list[ScenarioSummary], records: dict[str, list[ProbeRecord]]) -> dict:
-    return {
-        "summaries": [asdict(s) for s in summaries],
-        "records": {mode: [asdict(r) for r in rs] for mode, rs in records.items()},
-    }

@@ -314,3 +314,14 @@ def chat_messages(
         content.append({"type": "text", "text": "\n"})
     content.append({"type": "text", "text": example.question})
     return [{"role": "system", "content": system}, {"role": "user", "content": content}]
+
+
+REMEMBER = "Remember these."  # the question of a first turn that only shows images
+ACKNOWLEDGE = "OK."
+
+
+def two_turns(turn1: list[dict], user2: dict) -> list[dict]:
+    """A conversation: ``turn1`` (system and user, the user's question
+    :data:`REMEMBER`), the assistant's :data:`ACKNOWLEDGE`, then the user message
+    ``user2``."""
+    return [*turn1, {"role": "assistant", "content": ACKNOWLEDGE}, user2]
