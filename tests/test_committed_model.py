@@ -21,7 +21,13 @@ MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie
 
 
 @pytest.mark.parametrize(
-    "name", ["fidelity-qwen2-vl", "fidelity-qwen2-vl-marked", "fidelity-qwen2-vl-next"]
+    "name",
+    [
+        "fidelity-qwen2-vl",
+        "fidelity-qwen2-vl-marked",
+        "fidelity-qwen2-vl-next",
+        "fidelity-qwen2-vl-turns",
+    ],
 )
 def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
     model = MODELS / name
@@ -36,13 +42,21 @@ def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
     assert report["accuracy"] == pytest.approx(recorded["subset_accuracy"], abs=MARGIN)
 
 
-def test_the_next_model_answers_worse_from_stale_image_kv():
-    """Plain reuse (refresh budget 0) of images first shown in another order, or after
-    another dotted image, loses what accuracy.json recorded on the test subset."""
-    model = MODELS / "fidelity-qwen2-vl-next"
+@pytest.mark.parametrize(
+    "name, scenarios",
+    [
+        ("fidelity-qwen2-vl-next", ("reordered", "image_prefix")),
+        ("fidelity-qwen2-vl-turns", ("reordered", "turn_reordered")),
+    ],
+)
+def test_the_staleness_models_answer_worse_from_stale_image_kv(name, scenarios):
+    """Plain reuse (refresh budget 0) of images first shown in another order, after
+    another dotted image, or in an earlier turn in another order, loses what
+    accuracy.json recorded on the test subset."""
+    model = MODELS / name
     recorded = json.loads((model / "accuracy.json").read_text())["staleness"]
     examples = model_split(model, "test", SUBSET_SIZE)
-    measured = staleness_report(model, examples, ("reordered", "image_prefix"))
+    measured = staleness_report(model, examples, scenarios)
     for scenario, got in measured.items():
         want = recorded[scenario]
         assert got["subset_full"] == pytest.approx(want["subset_full"], abs=MARGIN), scenario

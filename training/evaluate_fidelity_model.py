@@ -108,7 +108,7 @@ def attention_report(model_path: str, examples: list[Example]) -> dict:
     }
 
 
-STALE_SCENARIOS = ("reordered", "image_prefix", "changed_prefix", "multi_turn")
+STALE_SCENARIOS = ("reordered", "image_prefix", "turn_reordered", "changed_prefix", "multi_turn")
 
 
 def staleness_report(
