@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS, make_refresh_scorer
-from sgl_mmkv.scoring.knobs import parse_knobs, scorer_knobs
+from sgl_mmkv.scoring.knobs import json_object, parse_knobs, scorer_knobs
 
 CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 
@@ -257,12 +257,9 @@ class MMKVConfig:
         if not text:
             return {}
         try:
-            value = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--mm-segment-storage-config is not JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ConfigError(f"--mm-segment-storage-config must be a JSON object, got {text!r}")
-        return value
+            return json_object(text)
+        except ValueError as exc:
+            raise ConfigError(f"--mm-segment-storage-config {exc}") from exc
 
     @property
     def uses_segment_storage(self) -> bool:

@@ -37,6 +37,21 @@ def _same_kind(value: object, default: object) -> bool:
     return True  # None or a sequence: the scorer checks it
 
 
+def json_object(text: str) -> dict:
+    """``text`` parsed as a JSON object.
+
+    Raises:
+        ValueError: "is not JSON: ..." or "must be a JSON object, got ...".
+    """
+    try:
+        value = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def parse_knobs(cls: type[TokenScorer], text: str) -> dict[str, object]:
     """``text`` (a JSON object, or empty) as keyword arguments of ``cls``.
 
@@ -46,12 +61,7 @@ def parse_knobs(cls: type[TokenScorer], text: str) -> dict[str, object]:
     """
     if not text:
         return {}
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from exc
-    if not isinstance(values, dict):
-        raise ValueError(f"must be a JSON object, got {text!r}")
+    values = json_object(text)
     knobs = scorer_knobs(cls)
     listed = ", ".join(knobs) or "none"
     for name, value in values.items():
