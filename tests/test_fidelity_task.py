@@ -189,6 +189,19 @@ def test_image_prefix_warms_up_after_one_more_dotted_image():
     assert images[1:] == [image_part(im.render()) for im in e.images]
 
 
+def test_turn_reordered_shows_the_images_again_in_a_second_turn():
+    """Turn 1 (the warm-up, an exact prefix of the probe) shows the images reversed;
+    turn 2 is the canonical user message, so its images are reused from turn 1."""
+    e = make_example("test", 9, num_images=3, style="next")
+    (warm,), final = scenario_requests(e, "turn_reordered")
+    canonical = scenario_requests(e, "repeat")[1]
+    assert final[:2] == warm and final[3] == canonical[1]
+    assert [m["role"] for m in final] == ["system", "user", "assistant", "user"]
+    assert warm[1]["content"][-1]["text"] == "Remember these."
+    shown = [p for p in warm[1]["content"] if p["type"] == "image_url"]
+    assert shown == [image_part(im.render()) for im in reversed(e.images)]
+
+
 def test_unknown_style_is_refused():
     with pytest.raises(ValueError, match="unknown style"):
         make_example("test", 0, style="labelled")
