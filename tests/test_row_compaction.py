@@ -2,8 +2,10 @@
 
 The row shrinks by the dropped count, keeps the kept slots in order, frees exactly
 the dropped ones, and SGLang's decode positions (``ForwardBatch``'s M-RoPE decode
-path) are the same before and after: the position delta absorbs the shift. A row
-with holes always shrinks; if compacting fails it is aborted, never decoded.
+path) are the same before and after: the position delta absorbs the shift. Only
+requests whose prefill the forward completes, in no session, may shrink. A row with
+holes that is not shrunk, for whatever reason, is kept out of the tree and aborted
+while live: never decoded.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _request(row: int, delta: int, max_new_tokens: int = 8):
         rid=f"r{row}",
         kv=SimpleNamespace(req_pool_idx=row, kv_committed_len=PROMPT, kv_allocated_len=PROMPT),
         multimodal_inputs=mm,
-        inflight_middle_chunks=0,
+        session=None,
         sampling_params=SimpleNamespace(max_new_tokens=max_new_tokens),
         skip_radix_cache_insert=False,
         finished=lambda: False,
@@ -83,10 +85,11 @@ def test_the_rows_shrink_by_the_dropped_tokens_and_decode_positions_hold(budget,
     )
     # After the prefill, the next token sits at seq_len (it is decoded with seq_len + 1).
     before = _decode_positions(batch, batch.seq_lens + 1)
-    forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]))
+    forward_batch = _forward_batch(reqs)
     plans = [SimpleNamespace(index=i, seq_len=PROMPT) for i in range(2)]
     ranked = {i: _rankings(i) for i in range(2)}
     compressor = RowCompactor(budget)
+    compressor.admit(batch)
     compressor.plan(forward_batch, plans, ranked)
     allocator = RecordingAllocator()
     compressor.compact(batch, SimpleNamespace(req_to_token=table), allocator)
@@ -123,23 +126,34 @@ def test_the_rows_shrink_by_the_dropped_tokens_and_decode_positions_hold(budget,
     assert _decode_positions(batch, torch.tensor([PROMPT + 1] * 2)).equal(before)
 
 
-def test_requests_that_finish_in_prefill_or_are_chunked_keep_their_rows():
-    table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64)
+def _forward_batch(reqs):
+    return SimpleNamespace(
+        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
+        rids=[r.rid for r in reqs],
+    )
+
+
+def test_requests_that_finish_in_prefill_chunk_or_sit_in_a_session_keep_their_rows():
+    table = torch.arange(3 * 64, dtype=torch.int32).reshape(3, 64)
     original = table.clone()
     one_token = _request(row=0, delta=0, max_new_tokens=1)
     chunked = _request(row=1, delta=0)
-    chunked.inflight_middle_chunks = 1
-    batch = SimpleNamespace(reqs=[one_token, chunked], seq_lens=torch.tensor([PROMPT, PROMPT]))
+    in_session = _request(row=2, delta=0)
+    in_session.session = SimpleNamespace(streaming=True)
+    reqs = [one_token, chunked, in_session]
+    batch = SimpleNamespace(reqs=reqs, seq_lens=torch.tensor([PROMPT] * 3), chunked_req=chunked)
     compressor = RowCompactor(0.5)
-    forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]))
-    plans = [SimpleNamespace(index=i, seq_len=PROMPT) for i in range(2)]
-    compressor.plan(forward_batch, plans, {0: _rankings(0), 1: _rankings(1)})
+    compressor.admit(batch)
+    assert [compressor.may_shrink(r.rid) for r in reqs] == [True, False, False]
+    plans = [SimpleNamespace(index=i, seq_len=PROMPT) for i in range(3)]
+    compressor.plan(_forward_batch(reqs), plans, {i: _rankings(i) for i in range(3)})
     allocator = RecordingAllocator()
     compressor.compact(batch, SimpleNamespace(req_to_token=table), allocator)
-    assert not one_token.skip_radix_cache_insert and not chunked.skip_radix_cache_insert
+    assert not any(r.skip_radix_cache_insert for r in reqs)
     assert allocator.freed == [] and torch.equal(table, original)
     assert compressor.counters.compressed_requests == 0
-    assert compressor.counters.skipped_requests == 2
+    assert compressor.counters.skipped_requests == 1  # the chunk and the session: not planned
+    assert not compressor.may_shrink(one_token.rid)  # admission lasts one forward
 
 
 def _holed_plan(index: int, holes: list[int]):
@@ -166,8 +180,9 @@ def test_holes_and_decode_drops_leave_the_row_once_each_even_for_one_token():
     one_token = _request(row=0, delta=2, max_new_tokens=1)
     decoding = _request(row=1, delta=0)
     batch = _batch([one_token, decoding])
-    forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]))
+    forward_batch = _forward_batch([one_token, decoding])
     compactor = RowCompactor(0.5, holes=True)
+    compactor.admit(batch)
     holes = [7, 8, 9, 30]
     compactor.plan_holes(forward_batch, [_holed_plan(0, holes), _holed_plan(1, holes)])
     plans = [SimpleNamespace(index=1, seq_len=PROMPT)]
@@ -199,8 +214,9 @@ def test_a_failed_compaction_aborts_rows_with_holes_and_leaves_the_others_whole(
     aborted = []
     holed.set_finish_with_abort = aborted.append
     decoding.set_finish_with_abort = aborted.append
-    forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]))
+    forward_batch = _forward_batch([holed, decoding])
     compactor = RowCompactor(0.5, holes=True)
+    compactor.admit(_batch([holed, decoding]))
     compactor.plan_holes(forward_batch, [_holed_plan(0, [7, 8])])
     compactor.plan(forward_batch, [SimpleNamespace(index=1, seq_len=PROMPT)], {1: _rankings(1)})
 
@@ -211,4 +227,47 @@ def test_a_failed_compaction_aborts_rows_with_holes_and_leaves_the_others_whole(
     with pytest.raises(RuntimeError):
         compactor.compact(_batch([holed, decoding]), SimpleNamespace(req_to_token=table), None)
     assert len(aborted) == 1 and compactor.counters.aborted_requests == 1
+    assert holed.skip_radix_cache_insert and not decoding.skip_radix_cache_insert
     assert torch.equal(table, original)
+
+
+def test_a_fault_at_the_compaction_point_aborts_rows_with_holes(monkeypatch, tmp_path):
+    from sgl_mmkv.refresh.faults import FAULT_FILE_ENV, InjectedFault
+
+    fault = tmp_path / "stage"
+    fault.write_text("row_compaction")
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
+    table = torch.arange(64, dtype=torch.int32).reshape(1, 64)
+    holed = _request(row=0, delta=0)
+    aborted = []
+    holed.set_finish_with_abort = aborted.append
+    compactor = RowCompactor(None, holes=True)
+    compactor.admit(_batch([holed]))
+    compactor.plan_holes(_forward_batch([holed]), [_holed_plan(0, [7, 8])])
+    with pytest.raises(InjectedFault):
+        compactor.compact(_batch([holed]), SimpleNamespace(req_to_token=table), None)
+    assert len(aborted) == 1 and holed.skip_radix_cache_insert
+
+
+def test_rows_with_holes_that_cannot_shrink_never_decode_nor_enter_the_tree():
+    table = torch.arange(3 * 64, dtype=torch.int32).reshape(3, 64)
+    original = table.clone()
+    finished, retracted, behind = (_request(row=r, delta=0) for r in range(3))
+    finished.finished = lambda: True  # aborted by its client during the forward
+    retracted.is_retracted = True
+    behind.kv.kv_committed_len = PROMPT - 8  # its row is not the planned one
+    reqs = [finished, retracted, behind]
+    aborted = []
+    for req in reqs:
+        req.set_finish_with_abort = lambda reason, req=req: aborted.append(req.rid)
+    compactor = RowCompactor(None, holes=True)
+    compactor.admit(_batch(reqs))
+    compactor.plan_holes(_forward_batch(reqs), [_holed_plan(i, [7, 8]) for i in range(3)])
+    allocator = RecordingAllocator()
+    compactor.compact(_batch(reqs), SimpleNamespace(req_to_token=table), allocator)
+    assert all(r.skip_radix_cache_insert for r in reqs)
+    assert aborted == ["r2"] and compactor.counters.aborted_requests == 1
+    assert allocator.freed == [] and torch.equal(table, original)
+    for req in reqs:  # release puts the tree flag back once the row is gone
+        compactor.restore(req)
+        assert not req.skip_radix_cache_insert

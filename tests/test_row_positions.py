@@ -9,7 +9,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_mmkv.patches.forward_batch_positions import after_init_new
 from sgl_mmkv.refresh.row_positions import (
-    FULL_LENS,
     POSITION_OFFSET,
     position_offset,
     positions_after_holes,
@@ -45,11 +44,10 @@ def test_decode_positions_of_a_1d_model_follow_the_sequence():
     assert out.positions.tolist() == [42, 12]
 
 
-def test_extends_record_whole_lengths_and_keep_their_positions():
+def test_extends_keep_their_positions():
     reqs = [_req(40, 0), _req(12, 2, offset=4)]  # an offset never moves an extend
     batch = _batch(ForwardMode.EXTEND, [0, 1, 2, 9], extend_lens=[3, 1])
     out = after_init_new(batch, None, SimpleNamespace(reqs=reqs))
-    assert getattr(out, FULL_LENS) == [40, 14]
     assert out.positions.tolist() == [0, 1, 2, 9]
 
 

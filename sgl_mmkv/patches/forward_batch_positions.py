@@ -3,43 +3,31 @@
 
 AFTER hook, registered when reused compressed segments leave holes
 (``--mm-compressed-reuse holes`` with a scored ``--mm-evict``). It gives 1-D RoPE
-models what M-RoPE models get from their per-request position offset:
-
-- every extend batch records each request's whole length, prompt plus output ids
-  (``forward_batch.sgl_mmkv_full_lens``), so the refresh executor plans holes only
-  in a request's last prefill chunk (the row shrinks right after it);
-- a request whose row dropped ``d`` hole slots (``req.sgl_mmkv_position_offset``,
-  set by :class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`) has every decode
-  token's position moved up by ``d``: SGLang derives it from the row's length
-  (``seq_len - 1``), which is now ``d`` short of the sequence's. M-RoPE batches are
-  left alone (their offset moved instead). A shrunk row never extends again: a
-  retracted request prefills from its original inputs (offset put back to 0), and
-  ``--enable-mixed-chunk``, which would run its decode steps as extends, is refused
-  at start-up.
+models what M-RoPE models get from their per-request position offset: a request
+whose row dropped ``d`` hole slots (``req.sgl_mmkv_position_offset``, set by
+:class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`) has every decode token's
+position moved up by ``d``: SGLang derives it from the row's length
+(``seq_len - 1``), which is now ``d`` short of the sequence's. M-RoPE batches are
+left alone (their offset moved instead). A shrunk row never extends again: a
+retracted request prefills from its original inputs (offset put back to 0), session
+requests never shrink, and ``--enable-mixed-chunk``, which would run decode steps as
+extends, is refused at start-up.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sgl_mmkv.refresh.row_positions import (
-    FULL_LENS,
-    position_offset,
-    positions_after_holes,
-)
+from sgl_mmkv.refresh.row_positions import position_offset, positions_after_holes
 
 TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 
 
 def after_init_new(forward_batch: Any, _cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     reqs = getattr(batch, "reqs", None)
-    mode = forward_batch.forward_mode
-    if not reqs or mode.is_idle():
+    if not reqs or not forward_batch.forward_mode.is_decode():
         return forward_batch
-    if mode.is_extend_or_draft_extend_or_mixed():  # EXTEND, MIXED, SPLIT_PREFILL
-        full_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
-        setattr(forward_batch, FULL_LENS, full_lens)
-    if not mode.is_decode() or forward_batch.mrope_positions is not None:
+    if forward_batch.mrope_positions is not None:
         return forward_batch
     offsets = [position_offset(r) for r in reqs]
     if any(offsets):

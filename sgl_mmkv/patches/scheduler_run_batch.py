@@ -1,8 +1,9 @@
 """Patch of ``sglang.srt.managers.scheduler.Scheduler.run_batch`` (SGLang 0.5.23).
 
-AROUND hook, registered with an eviction scorer (``--mm-evict``, not ``lru``): once
-an extend batch has run, the rows that drop tokens (a reused compressed segment's
-holes, or ``--mm-compress-at decode``) are kept out of the radix tree and shrunk
+AROUND hook, registered when rows shrink after prefill (reuse holes, or
+``--mm-compress-at decode``). Before a batch runs, the compactor learns which of its
+requests may shrink (their last prefill chunk, in no session); once it has run, the
+rows that drop tokens are kept out of the radix tree and shrunk
 (:class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`). Doing it here, before the
 scheduler builds the next batch from this one, keeps it right under the overlap
 scheduler too: that builds the next decode batch before it processes this batch's
@@ -20,10 +21,14 @@ TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def run_batch_with_row_compaction(original, scheduler: Any, batch: Any, *args, **kwargs):
-    result = original(scheduler, batch, *args, **kwargs)
     compactor = getattr(scheduler.tree_cache, "row_compactor", None)
     if compactor is None:
-        return result
+        return original(scheduler, batch, *args, **kwargs)
+    try:
+        compactor.admit(batch)
+    except Exception as error:  # admitting nobody: every row position is computed
+        logger.warning("sgl_mmkv: row compaction admission failed (%r)", error)
+    result = original(scheduler, batch, *args, **kwargs)
     try:
         compactor.compact(batch, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator)
     except Exception as error:  # never the reason the scheduler dies: leave rows whole

@@ -47,7 +47,6 @@ from sgl_mmkv.refresh.observer import PrefillObserver, observing
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.ranker import Span, VisualRanker
 from sgl_mmkv.refresh.row_kv import row_kv
-from sgl_mmkv.refresh.row_positions import FULL_LENS
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.refresh.sub_batch import active_sub_batch, needs_every_row
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
@@ -460,29 +459,19 @@ class RefreshExecutor:
                 self.counters.declined_reuses += 1
 
     def _allow_holes(self, forward_batch, plans: list[RequestPlan]) -> None:
-        """Holes for every request whose row can drop tokens after this extend: a row
-        compactor runs, this extend is the request's last prefill chunk (known from
-        M-RoPE's whole-prompt positions, or from ``patches/forward_batch_positions.py``
-        for 1-D RoPE), and it ends in a computed token. Elsewhere a compressed
-        segment's dropped tokens are computed fresh."""
+        """Holes for every request whose row the compactor shrinks after this forward
+        (:meth:`RowCompactor.admit`: its last prefill chunk, no session) and that ends
+        in a computed token. Elsewhere a compressed segment's dropped tokens are
+        computed fresh."""
         compactor = self.row_compactor
         if compactor is None or not compactor.holes:
             return
-        for plan, whole in zip(plans, self._whole_lengths(forward_batch, plans), strict=True):
-            if whole != plan.seq_len:
+        for plan in plans:
+            if not compactor.may_shrink(forward_batch.rids[plan.index]):
                 continue
             plan.holes = True
             if bool(plan.hole_mask()[-1]):
                 plan.holes = False
-
-    @staticmethod
-    def _whole_lengths(forward_batch, plans: list[RequestPlan]) -> list[int | None]:
-        """Per plan, the request's whole sequence length, where it is known."""
-        if forward_batch.mrope_positions is None:
-            return getattr(forward_batch, FULL_LENS, None) or [None] * len(plans)
-        mm_list = forward_batch.mm_inputs or [None] * len(plans)
-        whole = [getattr(mm, "mrope_positions", None) for mm in mm_list]
-        return [None if w is None else int(w.shape[-1]) for w in whole]
 
     def _drop_unsupported(self, forward_batch, plans) -> None:
         """Requests whose outputs cover more prompt rows than the last (input logprobs

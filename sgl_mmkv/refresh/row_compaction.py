@@ -9,7 +9,11 @@ extend forward:
 - **decode-time compression** (``--mm-compress-at decode``, :meth:`RowCompactor.plan`):
   each image of the extend keeps only its top ``--mm-kv-budget`` tokens for decoding.
 
-Right after the batch's forward (``patches/scheduler_run_batch.py``), before the
+Before the batch's forward (``patches/scheduler_run_batch.py``) :meth:`RowCompactor.admit`
+names the requests whose rows may shrink after it: those whose prefill this forward
+completes (not the batch's middle chunk, the scheduler's ``chunked_req``) and that no
+session keeps a row or inputs for. The executor plans holes and drops for them alone;
+anything else computes every row position. Right after the batch's forward, before the
 scheduler builds its next batch, :meth:`RowCompactor.compact` frees the dropped
 slots, moves the kept ones down in ``req_to_token`` so the row stays dense, and
 shrinks every length SGLang keeps for the request by the dropped count ``d``:
@@ -24,7 +28,9 @@ adds it to every later position. The kept tokens' KV already carries its rotary
 positions. Decode-time compression is still refused for 1-D RoPE models at start-up.
 
 A compacted row is not the KV of its token ids, so the request is kept out of the
-radix tree (``skip_radix_cache_insert``). On release (finish or retraction) the
+radix tree (``skip_radix_cache_insert``). A row with holes that cannot be shrunk is
+never decoded: it is kept out of the tree and, if the request is still live, aborted
+with an error (``aborted_requests``). On release (finish or retraction) the
 request's position state is put back, so a retracted request prefills again from its
 original inputs.
 """
@@ -52,8 +58,8 @@ class RowCompactionCounters(Counters):
     freed_tokens: int = 0
     holed_requests: int = 0  # rows shrunk by reuse holes
     hole_tokens: int = 0
-    skipped_requests: int = 0  # planned, but finished, retracted or still chunked
-    aborted_requests: int = 0  # rows with holes whose compaction failed
+    skipped_requests: int = 0  # decode drops planned, but the request finished or retracted
+    aborted_requests: int = 0  # live rows with holes that could not be shrunk
     failures: int = 0  # batches left uncompacted because compacting them raised
 
 
@@ -108,6 +114,25 @@ class RowCompactor:
         self.counters = RowCompactionCounters()
         self._pending: dict[int, RowPlan] = {}  # req_to_token row -> plan
         self._saved: dict[str, SavedRequestState] = {}  # rid -> state to restore
+        self._admitted: frozenset[str] = frozenset()  # rids of the coming forward
+
+    def admit(self, batch) -> None:
+        """Before ``batch``'s forward: the rids whose rows may shrink after it. A request
+        qualifies when this forward completes its prefill (it is not ``batch``'s middle
+        chunk) and it is in no session (a session keeps the row or the multimodal
+        inputs for its next turn, which extends the row as the sequence it was)."""
+        chunked = getattr(batch, "chunked_req", None)
+        self._admitted = frozenset(
+            req.rid
+            for req in batch.reqs
+            if req is not chunked
+            and getattr(req, "session", None) is None
+            and req.multimodal_inputs is not None
+        )
+
+    def may_shrink(self, rid: str) -> bool:
+        """Whether the row of ``rid`` may lose positions after the current forward."""
+        return rid in self._admitted
 
     def plan_holes(self, forward_batch, plans: list[RequestPlan]) -> None:
         """Remember the holes of every request of this extend that has some."""
@@ -124,6 +149,8 @@ class RowCompactor:
         if self.budget is None:
             return
         for plan in plans:
+            if not self.may_shrink(forward_batch.rids[plan.index]):
+                continue
             drop = dropped_positions(self.budget, ranked.get(plan.index, {}))
             if drop.numel():
                 self._plan_row(forward_batch, plan, drop=drop)
@@ -138,12 +165,11 @@ class RowCompactor:
     def compact(self, batch, req_to_token_pool, allocator) -> None:
         """After ``batch``'s forward: bar every planned request from the tree and shrink
         its row (a row with holes always; a decode-compressed one only if it will
-        decode). If compacting raises, the rows with holes are aborted (their holes
-        hold no KV) and the others are left whole."""
+        decode). A row with holes that is not shrunk, for any reason (the request
+        finished or was retracted meanwhile, or compacting raised), is barred from the
+        tree and, while its request is live, aborted: its holes hold no KV."""
         pending, self._pending = self._pending, {}
-        fault_point("row_compaction")
-        if not pending:
-            return
+        self._admitted = frozenset()
         planned = [
             (i, req, pending[req.kv.req_pool_idx])
             for i, req in enumerate(batch.reqs)
@@ -151,39 +177,56 @@ class RowCompactor:
         ]
         shrunk = set()
         try:
+            fault_point("row_compaction")
             for i, req, plan in planned:
                 if self._shrinks(req, plan):
                     self._shrink(batch, i, req, plan, req_to_token_pool, allocator)
                     shrunk.add(i)
+                elif plan.holes.numel():
+                    self._bar(req)
                 else:
                     self.counters.skipped_requests += 1
         except Exception:
             for i, req, plan in planned:
                 if plan.holes.numel() and i not in shrunk:
-                    req.set_finish_with_abort("sgl_mmkv: compacting a reused row failed")
-                    self.counters.aborted_requests += 1
+                    self._bar(req)
             raise
 
     def _shrinks(self, req, plan: RowPlan) -> bool:
         """Whether ``req``'s row is shrunk by ``plan`` now (and kept out of the tree)."""
         if req.multimodal_inputs is None or req.is_retracted or req.finished():
             return False
-        if req.kv.kv_committed_len != plan.seq_len or req.inflight_middle_chunks > 0:
+        if req.kv.kv_committed_len != plan.seq_len:
             return False
         if plan.holes.numel():
             return True
         # decode-time compression leaves a request that stops at its first token to the tree
         return req.sampling_params.max_new_tokens > 1
 
+    def _bar(self, req) -> None:
+        """Keep a row with unshrunk holes out of the tree and from decoding (a retracted
+        request prefills again from its inputs)."""
+        self._save(req)
+        req.skip_radix_cache_insert = True
+        if not req.finished() and not req.is_retracted:
+            req.set_finish_with_abort("sgl_mmkv: a reused row could not be compacted")
+            self.counters.aborted_requests += 1
+
+    def _save(self, req) -> None:
+        """Remember the request's position state and tree flag, once, for :meth:`restore`."""
+        if req.rid in self._saved:
+            return
+        mm = req.multimodal_inputs
+        self._saved[req.rid] = SavedRequestState(
+            None if mm is None else mm.mrope_positions,
+            None if mm is None else mm.mrope_position_delta,
+            req.skip_radix_cache_insert,
+            position_offset(req),
+        )
+
     def _shrink(self, batch, i: int, req, plan: RowPlan, req_to_token_pool, allocator) -> None:
         mm = req.multimodal_inputs
-        if req.rid not in self._saved:
-            self._saved[req.rid] = SavedRequestState(
-                mm.mrope_positions,
-                mm.mrope_position_delta,
-                req.skip_radix_cache_insert,
-                position_offset(req),
-            )
+        self._save(req)
         req.skip_radix_cache_insert = True
         removed = plan.removed()
         table = req_to_token_pool.req_to_token
@@ -222,6 +265,7 @@ class RowCompactor:
         """Compact nothing that is planned (the batch's forward failed and ran again
         as stock, which computed every row position)."""
         self._pending.clear()
+        self._admitted = frozenset()
 
     def restore(self, req) -> None:
         """Put back the request's position state and tree flag (its row is released)."""

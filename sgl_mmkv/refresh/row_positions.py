@@ -14,8 +14,6 @@ import torch
 
 # Attribute of a ``Req``: how far its row is shorter than its sequence.
 POSITION_OFFSET = "sgl_mmkv_position_offset"
-# Attribute of an extend ``ForwardBatch``: each request's whole length (prompt + outputs).
-FULL_LENS = "sgl_mmkv_full_lens"
 
 
 def position_offset(req: Any) -> int:
