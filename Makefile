@@ -1,15 +1,27 @@
 PYTHON ?= python3
+PORT ?= 30000
+MODEL ?= models/fidelity-qwen2-vl-marked
 
-.PHONY: install demo test lint format
+.PHONY: install serve demo test test-slow lint format
 
 install:
 	bash scripts/install.sh
 
-demo: install
-	$(PYTHON) -m sgl_mmkv.demo
+# The README's run command: install what is missing, then serve the committed model.
+serve: install
+	@echo "[serve] query it: curl -s http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 8}'"
+	$(PYTHON) -m sgl_mmkv.launch_server --model-path $(MODEL) --mm-reuse conduit --port $(PORT)
 
+demo: install
+	$(PYTHON) -m harness.demo
+
+# What CI runs (.ci/run): lint, then every test not marked slow.
 test: install lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m "not slow"
+
+# The slow tests only (a training script end to end).
+test-slow: install
+	$(PYTHON) -m pytest -q -m slow
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -5,13 +5,13 @@
 
 Writes doc-QA traces in the ``openai`` JSONL format (a pool warm-up, then per round
 requests over the pool with new system prompts and page orders; see
-``sgl_mmkv/benchmarking/traces.py``) and runs the client against each side, one
+``harness/traces.py``) and runs the client against each side, one
 server up at a time, the order of the sides alternating over ``--rounds`` rounds.
 Each start reads the pool once (not measured), then runs every doc-QA trace of the
 round, the no-reuse control (every page new) and the text-only controls (SGLang's
 ``random-ids`` dataset, decode-heavy, at each ``--text-concurrency``). Stock runs at
 its defaults; only hardware and memory flags are shared
-(``sgl_mmkv/benchmarking/servers.py``). Prints a table, both
+(``harness/servers.py``). Prints a table, both
 command lines and the client's; writes ``bench_serving.json`` and ``.md``. Exits 1
 if any request failed.
 """
@@ -26,17 +26,19 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
 import torch
 
-from sgl_mmkv.benchmarking.servers import (
+from harness.servers import (
     STOCK,
     build_side,
     command_lines,
     compare_settings,
     prepare_bench,
 )
-from sgl_mmkv.benchmarking.sglang_client import ClientRun, client_command, run_client
-from sgl_mmkv.benchmarking.traces import doc_qa_traces, no_reuse_traces
+from harness.sglang_client import ClientRun, client_command, run_client
+from harness.traces import doc_qa_traces, no_reuse_traces
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput", "mean_tpot_ms")
 

@@ -16,7 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from sgl_mmkv.benchmarking.bootstrap import paired_intervals
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
+from harness.bootstrap import paired_intervals
 
 
 def outcomes(records: list[dict], scenario: str) -> dict[str, float]:

@@ -24,10 +24,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
 import openai
 
-from sgl_mmkv.benchmarking.fidelity import FidelityClient
-from sgl_mmkv.benchmarking.fidelity_task import chat_messages, make_split, model_style
+from harness.fidelity import FidelityClient
+from harness.fidelity_task import chat_messages, make_split, model_style
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats

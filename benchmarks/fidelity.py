@@ -6,7 +6,7 @@
 For each mode a server is started (``stock``: ``python -m sglang.launch_server``;
 otherwise ``python -m sgl_mmkv.launch_server --mm-reuse MODE``) with the same CPU
 settings, the test split is run through every scenario (see
-``sgl_mmkv.benchmarking.fidelity``), and the server is stopped. Prints a table,
+``harness.fidelity``), and the server is stopped. Prints a table,
 writes ``fidelity.json`` and ``fidelity.png`` (relative accuracy against refresh
 budget, one line per method, full prefill dashed) into ``--out-dir``.
 """
@@ -21,13 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-from sgl_mmkv.benchmarking.conduit_ablations import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
+from harness.conduit_ablations import (
     LABEL_PREFIX,
     ablation_knobs,
     ablation_label,
     scorer_args,
 )
-from sgl_mmkv.benchmarking.fidelity import (
+from harness.fidelity import (
     COLD,
     SCENARIOS,
     FidelityClient,
@@ -35,8 +37,8 @@ from sgl_mmkv.benchmarking.fidelity import (
     ReferenceReplies,
     measure,
 )
-from sgl_mmkv.benchmarking.fidelity_summary import ScenarioSummary, format_table, summarise, to_json
-from sgl_mmkv.benchmarking.fidelity_task import model_split
+from harness.fidelity_summary import ScenarioSummary, format_table, summarise, to_json
+from harness.fidelity_task import model_split
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats

@@ -31,11 +31,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
 import torch
 
-from sgl_mmkv.benchmarking.client import run_requests
-from sgl_mmkv.benchmarking.servers import prepare_bench
-from sgl_mmkv.benchmarking.workloads import BenchRequest, _image_url
+from harness.client import run_requests
+from harness.servers import prepare_bench
+from harness.workloads import BenchRequest, _image_url
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
 
 QUESTION = "Summarise the pages."

@@ -25,12 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
 import requests
 import torch
 
-from sgl_mmkv.benchmarking import workloads as wl
-from sgl_mmkv.benchmarking.client import run_requests
-from sgl_mmkv.benchmarking.servers import (
+from harness import workloads as wl
+from harness.client import run_requests
+from harness.servers import (
     STOCK,
     build_side,
     command_lines,

@@ -35,11 +35,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
 import requests
 import torch
 
-from sgl_mmkv.benchmarking.servers import prepare_bench
-from sgl_mmkv.benchmarking.workloads import _image_url
+from harness.servers import prepare_bench
+from harness.workloads import _image_url
 from sgl_mmkv.routing import affinity_headers
 from sgl_mmkv.testing.router import RouterProcess
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats

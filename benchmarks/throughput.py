@@ -5,15 +5,14 @@
 Starts ``python -m sglang.launch_server`` at its defaults and ``python -m
 sgl_mmkv.launch_server --mm-reuse MODE`` for each mode, sharing only hardware and
 memory flags (the settings that decide speed are verified from each server's
-``/get_server_info``; both keep the overlap scheduler on, except sgl_mmkv with
-``--mm-compress-at decode``). One server is up at a time; over ``--rounds``
-rounds, with the order of the sides alternating, each start reads the page pool
-once and then gets every cell's new seeded requests through the OpenAI-compatible
-API (streaming). The report gives the ratio of the mean TTFTs and its range over
-the rounds, and writes ``throughput.json``, ``throughput.md`` and
-``throughput.png`` (TTFT against images per request; throughput against
-concurrency). Exits 1 if any request fails or the no-reuse control's TTFT overhead
-exceeds ``--max-control-overhead``.
+``/get_server_info``; both keep the overlap scheduler on, in every mode). One server
+is up at a time; over ``--rounds`` rounds, with the order of the sides alternating,
+each start reads the page pool once and then gets every cell's new seeded requests
+through the OpenAI-compatible API (streaming). The report gives the ratio of the
+mean TTFTs and its range over the rounds, and writes ``throughput.json``,
+``throughput.md`` and ``throughput.png`` (TTFT against images per request;
+throughput against concurrency). Exits 1 if any request fails or the no-reuse
+control's TTFT overhead exceeds ``--max-control-overhead``.
 
 Without ``--model-path`` it builds (once) a random-weight Qwen2-VL large enough
 that prefill compute dominates on a CPU: 8 layers, hidden 1024, 256 tokens per
@@ -29,9 +28,11 @@ import platform
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
 import torch
 
-from sgl_mmkv.benchmarking.report import (
+from harness.report import (
     control_overhead,
     failures,
     format_serving_block,
@@ -39,9 +40,9 @@ from sgl_mmkv.benchmarking.report import (
     summarise,
     write_outputs,
 )
-from sgl_mmkv.benchmarking.runner import BenchConfig, run_benchmark
-from sgl_mmkv.benchmarking.servers import command_lines, prepare_bench
-from sgl_mmkv.benchmarking.workloads import WORKLOADS
+from harness.runner import BenchConfig, run_benchmark
+from harness.servers import command_lines, prepare_bench
+from harness.workloads import WORKLOADS
 from sgl_mmkv.config import DEFAULT_KV_BUDGET, EVICTION_POLICIES, REUSE_MODES
 from sgl_mmkv.refresh.flops import DecoderShape
 

@@ -11,8 +11,8 @@ import pytest
 from sglang.benchmark.datasets.openai_dataset import sample_openai_requests
 from transformers import AutoTokenizer
 
-from sgl_mmkv.benchmarking import workloads as wl
-from sgl_mmkv.benchmarking.traces import doc_qa_traces
+from harness import workloads as wl
+from harness.traces import doc_qa_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

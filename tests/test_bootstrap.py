@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from sgl_mmkv.benchmarking.bootstrap import paired_intervals
-from sgl_mmkv.benchmarking.fidelity import ProbeRecord
-from sgl_mmkv.benchmarking.fidelity_summary import format_table, summarise
+from harness.bootstrap import paired_intervals
+from harness.fidelity import ProbeRecord
+from harness.fidelity_summary import format_table, summarise
 
 
 def test_a_constant_outcome_has_a_zero_width_interval():

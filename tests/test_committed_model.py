@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity_task import model_split
+from harness.fidelity_task import model_split
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 from training.evaluate_fidelity_model import (
     SUBSET_SIZE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_mmkv.benchmarking.conduit_ablations import (
+from harness.conduit_ablations import (
     ABLATIONS,
     ablation_knobs,
     ablation_label,

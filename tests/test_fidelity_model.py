@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity import (
+from harness.fidelity import (
     COLD,
     FidelityClient,
     PromptLayout,
     ReferenceReplies,
     measure,
 )
-from sgl_mmkv.benchmarking.fidelity_summary import summarise
-from sgl_mmkv.benchmarking.fidelity_task import make_split
+from harness.fidelity_summary import summarise
+from harness.fidelity_task import make_split
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess
 from training.evaluate_fidelity_model import accuracy_report, full_prefill_answers
 

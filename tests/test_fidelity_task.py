@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity import kl_from_top_logprobs, leading_image, scenario_requests
-from sgl_mmkv.benchmarking.fidelity_task import (
+from harness.fidelity import kl_from_top_logprobs, leading_image, scenario_requests
+from harness.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
     MAX_IMAGES,
@@ -220,7 +220,7 @@ def test_text_control_describes_each_image_in_place_of_its_pixels():
 
 
 def test_concurrent_chunks_never_hold_one_example_twice():
-    from sgl_mmkv.benchmarking.fidelity import _chunks
+    from harness.fidelity import _chunks
 
     examples = make_split("test", 5)
     jobs = [(e, s) for s in ("reordered", "image_prefix") for e in examples]

@@ -15,7 +15,7 @@ import pytest
 import requests
 from transformers import AutoProcessor
 
-from sgl_mmkv.benchmarking.fidelity import FidelityClient
+from harness.fidelity import FidelityClient
 from sgl_mmkv.testing.images import data_url, make_image, user_message
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 

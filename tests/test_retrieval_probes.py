@@ -1,4 +1,5 @@
-"""training/retrieval_probes.py end to end on a few steps, and its chance baseline."""
+"""training/retrieval_probes.py end to end on a few steps (slow: `make test-slow`), and its
+chance baseline."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sgl_mmkv.benchmarking.fidelity_task import make_example
+import pytest
+
+from harness.fidelity_task import make_example
 from training.retrieval_probes import no_retrieval_chance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +27,7 @@ def test_no_retrieval_chance_counts_distinct_candidates():
     assert 1 / 3 <= no_retrieval_chance(kinds) < 0.5
 
 
+@pytest.mark.slow
 def test_runs_end_to_end(tmp_path):
     out = tmp_path / "probes"
     command = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity import FidelityClient
+from harness.fidelity import FidelityClient
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from sgl_mmkv.benchmarking.fidelity_task import BACKGROUNDS, answer_of
+from harness.fidelity_task import BACKGROUNDS, answer_of
 from training.staleness_tasks import (
     REPEAT_QUESTION,
     VARIANT_NAMES,

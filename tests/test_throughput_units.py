@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from sgl_mmkv.benchmarking import workloads as wl
-from sgl_mmkv.benchmarking.client import RequestResult, run_requests
-from sgl_mmkv.benchmarking.report import (
+from harness import workloads as wl
+from harness.client import RequestResult, run_requests
+from harness.report import (
     control_overhead,
     failures,
     percentile,
     summarise,
 )
-from sgl_mmkv.benchmarking.runner import BenchConfig, BenchRun, CellRun, CellSpec, plan_cells
-from sgl_mmkv.benchmarking.servers import compare_settings
+from harness.runner import BenchConfig, BenchRun, CellRun, CellSpec, plan_cells
+from harness.servers import compare_settings
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.testing.make_tiny_model import TinyModelSpec, build_untrained
 from sgl_mmkv.testing.server import free_port
@@ -117,7 +117,7 @@ def test_compare_settings_rejects_a_differing_setting_and_reports_the_rest():
 
 
 def test_the_overlap_scheduler_is_an_intended_difference():
-    # stock runs at its defaults (overlap on); the refresh modes turn it off themselves
+    # reported, not compared: were one side to run without it, the report shows it
     base = {"disable_overlap_schedule": False, "attention_backend": "torch_native"}
     ours = dict(base, disable_overlap_schedule=True)
     differences = compare_settings({"stock": base, "conduit": ours})
@@ -178,7 +178,7 @@ def test_client_records_a_refused_connection_as_a_failed_request():
 
 
 def test_mode_names_map_to_reuse_and_eviction_flags():
-    from sgl_mmkv.benchmarking.servers import mode_flags
+    from harness.servers import mode_flags
 
     assert mode_flags("conduit", 0.1, 0.5) == [
         "--mm-reuse",

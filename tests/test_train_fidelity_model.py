@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import make_example, model_style
+from harness.fidelity_task import make_example, model_style
 from training.train_fidelity_model import collate, train
 
 

@@ -1,10 +1,14 @@
-"""What a user gets from ``pip install .``: the wheel holds exactly the package tree,
-every module imports from a non-editable install, and a refresh-mode server starts
-from it and reuses an image under a new prefix."""
+"""What a user gets from ``pip install .``: the wheel holds exactly the package tree
+(no harness), every third-party module it imports is declared, every module imports
+from a non-editable install, and a refresh-mode server starts from it and reuses an
+image under a new prefix."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from packaging.requirements import Requirement
 
 from sgl_mmkv.cpu_support import CPU_ENV_DEFAULTS
 from sgl_mmkv.testing.images import make_image, user_message
@@ -21,11 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _package_files() -> set[str]:
-    """Every file of the package tree that git tracks (what the wheel must hold)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "sgl_mmkv"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    return {name for name in listed if name.endswith(".py")}
+    """Every Python file of the package tree that git tracks or would track (not
+    ignored) and that is on disk: what the wheel must hold."""
+    command = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "sgl_mmkv"]
+    listed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return {n for n in listed.stdout.split() if n.endswith(".py") and (ROOT / n).is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,42 @@ def installed(wheel, tmp_path_factory) -> Path:
     return target
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_distributions(wheel: Path) -> set[str]:
+    """The wheel's Requires-Dist without a marker, plus the ``gpu`` extra's (sglang,
+    the host), normalized; the ``test`` and ``bench`` extras do not count."""
+    archive = zipfile.ZipFile(wheel)
+    metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+    declared = set()
+    for line in archive.read(metadata).decode().splitlines():
+        if line.startswith("Requires-Dist:"):
+            requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+            if requirement.marker is None or requirement.marker.evaluate({"extra": "gpu"}):
+                declared.add(_normalized(requirement.name))
+    return declared
+
+
+def undeclared_imports(sources: dict[str, str], declared: set[str]) -> dict[str, set[str]]:
+    """Per module (name -> source), the third-party top-level modules it imports
+    whose distribution is not ``declared`` (or that no installed distribution has)."""
+    distributions = importlib.metadata.packages_distributions()
+    found: dict[str, set[str]] = {}
+    for name, source in sources.items():
+        tops = set()
+        for node in ast.walk(ast.parse(source, filename=name)):
+            if isinstance(node, ast.Import):
+                tops.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops.add(node.module.split(".")[0])
+        for top in tops - set(sys.stdlib_module_names) - {"sgl_mmkv"}:
+            if not {_normalized(d) for d in distributions.get(top, [])} & declared:
+                found.setdefault(name, set()).add(top)
+    return found
+
+
 def _env(target: Path) -> dict[str, str]:
     """An environment that sees the installed wheel and not this checkout: the target
     alone on PYTHONPATH (the editable install's finder runs after the path's)."""
@@ -67,6 +108,35 @@ def test_the_wheel_holds_exactly_the_package_tree(wheel):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[sglang.srt.plugins]" in text and "sgl_mmkv.plugin:load" in text
+
+
+def test_the_wheel_holds_no_harness_file(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    harness = subprocess.run(
+        ["git", "ls-files", "harness"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "harness/demo.py" in harness and "harness/fidelity_task.py" in harness
+    moved = {f"sgl_mmkv/{n.removeprefix('harness/')}" for n in harness} - {"sgl_mmkv/__init__.py"}
+    assert names & {*harness, *moved} == set()
+    assert not any(n.startswith(("harness/", "sgl_mmkv/benchmarking/")) for n in names)
+
+
+def test_no_shipped_module_imports_an_undeclared_package(wheel):
+    archive = zipfile.ZipFile(wheel)
+    sources = {n: archive.read(n).decode() for n in archive.namelist() if n.endswith(".py")}
+    declared = declared_distributions(wheel)
+    assert {"torch", "transformers", "sglang", "psutil", "requests"} <= declared
+    assert not declared & {"pytest", "openai", "aiohttp", "matplotlib", "datasets"}
+    assert undeclared_imports(sources, declared) == {}
+
+
+def test_the_import_check_sees_an_undeclared_package():
+    sources = {
+        "a.py": "import aiohttp\nimport json\nfrom PIL import Image\nfrom . import b\n",
+        "b.py": "from sgl_mmkv.config import MMKVConfig\nimport no_such_module_anywhere\n",
+    }
+    found = undeclared_imports(sources, declared={"pillow"})
+    assert found == {"a.py": {"aiohttp"}, "b.py": {"no_such_module_anywhere"}}
 
 
 def test_every_module_imports_from_the_installed_wheel(installed, tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import (
+from harness.fidelity_task import (
     Example,
     chat_messages,
     model_split,
@@ -35,7 +35,7 @@ SUBSET_SIZE = 32  # test[0:32], re-checked by tests/test_fidelity_model.py
 
 def full_prefill_answers(base_url: str, examples: list[Example], max_tokens: int = 6) -> list[str]:
     """Greedy answers, each served cold (radix cache flushed first)."""
-    from sgl_mmkv.benchmarking.fidelity import FidelityClient
+    from harness.fidelity import FidelityClient
 
     client = FidelityClient(base_url, max_tokens=max_tokens)
     answers = []
@@ -119,8 +119,8 @@ def staleness_report(
 ) -> dict[str, dict[str, float]]:
     """Per reuse scenario: full-prefill accuracy and the accuracy of plain reuse (refresh
     budget 0) through an sgl_mmkv server, on ``examples`` and on the test subset."""
-    from sgl_mmkv.benchmarking.fidelity import FidelityClient, PromptLayout, measure
-    from sgl_mmkv.benchmarking.fidelity_summary import summarise
+    from harness.fidelity import FidelityClient, PromptLayout, measure
+    from harness.fidelity_summary import summarise
     from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
     flags = ["--mm-reuse", "reuse", *CPU_SERVER_ARGS]

@@ -3,7 +3,7 @@
 Trained only through the language model's answers, the tiny vision tower never
 learns shape kinds: a 600-step run with one image per prompt and only "What shape
 is ...?" questions answers the majority kind every time
-(``benchmarks/retrieval_probes.py --variants kind --max-images 1``). The same
+(``python -m training.retrieval_probes --variants kind --max-images 1``). The same
 tower with a linear head per attribute on its merged tokens learns kinds in about a
 hundred steps. Real VLMs start from a pretrained vision encoder too; this stage
 gives the tiny one what it must see before the language model learns to ask.
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import (
+from harness.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
     KINDS,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import ShapeImage, make_example
+from harness.fidelity_task import ShapeImage, make_example
 from training.pretrain_vision import attribute_labels, merged_tokens
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import Example, answer_of, make_example
+from harness.fidelity_task import Example, answer_of, make_example
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
 from training.pretrain_vision import pretrain_vision
 from training.train_fidelity_model import (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity import OTHER_PREAMBLE, OTHER_SYSTEM
+from harness.fidelity import OTHER_PREAMBLE, OTHER_SYSTEM
 from training.staleness_tasks import StaleExample, stale_messages
 
 TOKENS_PER_IMAGE = 16

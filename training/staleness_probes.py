@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import REMEMBER, two_turns
+from harness.fidelity_task import REMEMBER, two_turns
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
 from training.stale_reuse import CONTEXTS, TOKENS_PER_IMAGE, staleness_accuracy
 from training.staleness_tasks import VARIANT_NAMES, StaleExample, make_stale_example, stale_messages

@@ -30,7 +30,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from sgl_mmkv.benchmarking.fidelity_task import (
+from harness.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
     NEXT_QUESTIONS,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_mmkv.benchmarking.fidelity_task import (
+from harness.fidelity_task import (
     IMAGE_SIZE,
     MAX_IMAGES,
     QUESTION_STYLES,

@@ -1,4 +1,4 @@
-"""``python -m sgl_mmkv.demo``: one conversation's images come back under a new system
+"""``python -m harness.demo``: one conversation's images come back under a new system
 prompt and in a new order; stock SGLang and sgl_mmkv answer it side by side.
 
 Serves the committed trained model (``models/fidelity-qwen2-vl-marked``, a tiny
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_mmkv.cpu_support import prepare_cpu_process
 
     prepare_cpu_process()
-    from sgl_mmkv.benchmarking.fidelity_task import chat_messages, make_example, model_style
+    from harness.fidelity_task import chat_messages, make_example, model_style
     from sgl_mmkv.testing.images import image_part
 
     example = make_example(

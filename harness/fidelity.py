@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import openai
 
-from sgl_mmkv.benchmarking.fidelity_task import (
+from harness.fidelity_task import (
     BACKGROUNDS,
     COLOURS,
     REMEMBER,

@@ -1,4 +1,4 @@
-"""Summaries of a :class:`~sgl_mmkv.benchmarking.runner.BenchRun`: table, JSON, plots.
+"""Summaries of a :class:`~harness.runner.BenchRun`: table, JSON, plots.
 
 Prefill FLOPs per cell: for sgl_mmkv refresh modes the scheduler's own count of
 what its passes computed (``refresh.executed_flops``, and ``full_prefill_flops``:
@@ -15,8 +15,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sgl_mmkv.benchmarking.runner import BenchRun, CellRun
-from sgl_mmkv.benchmarking.servers import STOCK
+from harness.runner import BenchRun, CellRun
+from harness.servers import STOCK
 from sgl_mmkv.refresh.flops import DecoderShape
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from sgl_mmkv.benchmarking.bootstrap import paired_intervals
-from sgl_mmkv.benchmarking.fidelity import ProbeRecord
+from harness.bootstrap import paired_intervals
+from harness.fidelity import ProbeRecord
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class ScenarioSummary:
     mean_refreshed_tokens: float
     mean_probe_latency_s: float
     per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
-    # 95 % paired bootstrap intervals (:func:`~sgl_mmkv.benchmarking.bootstrap.paired_intervals`)
+    # 95 % paired bootstrap intervals (:func:`~harness.bootstrap.paired_intervals`)
     accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
     relative_accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
 

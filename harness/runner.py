@@ -17,9 +17,9 @@ from pathlib import Path
 
 import requests
 
-from sgl_mmkv.benchmarking import workloads as wl
-from sgl_mmkv.benchmarking.client import RequestResult, run_requests
-from sgl_mmkv.benchmarking.servers import STOCK, Side, build_side, compare_settings
+from harness import workloads as wl
+from harness.client import RequestResult, run_requests
+from harness.servers import STOCK, Side, build_side, compare_settings
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
 
 

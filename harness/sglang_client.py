@@ -2,7 +2,7 @@
 its result.
 
 Each call is one client process against one running server: an ``openai`` JSONL
-trace (:mod:`sgl_mmkv.benchmarking.traces`) or SGLang's ``random-ids`` text
+trace (:mod:`harness.traces`) or SGLang's ``random-ids`` text
 dataset (no download), streaming chat completions, no warm-up request (its
 warm-up would send the trace's first request twice, a prefix hit on every side).
 The client appends one JSON record per run to ``--output-file``; that record is

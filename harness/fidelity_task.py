@@ -23,7 +23,7 @@ and the language model see positions only through rotary phases, so a token's va
 does not say which quadrant it covers.
 
 The keyed questions above do not train on this tiny model, even with the images
-written as text (``benchmarks/retrieval_probes.py``). ``style="marked"`` puts a
+written as text (``training/retrieval_probes.py``). ``style="marked"`` puts a
 dot on the target image's shape and asks about "the dotted shape" (the same
 three question types; the query no longer depends on the question's words): the
 committed ``models/fidelity-qwen2-vl-marked`` is trained on it.

@@ -2,7 +2,7 @@
 
 Its ``--dataset-name openai`` reads one OpenAI chat request per line (``messages``,
 ``max_tokens`` and any other body field, passed through as is). A trace here is a
-list of :class:`~sgl_mmkv.benchmarking.workloads.BenchRequest` written that way:
+list of :class:`~harness.workloads.BenchRequest` written that way:
 greedy, a fixed output length (``ignore_eos``), so both sides decode the same.
 """
 
@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_mmkv.benchmarking import workloads as wl
+from harness import workloads as wl
 
 
 def trace_line(request: wl.BenchRequest, max_tokens: int) -> dict:

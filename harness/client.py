@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from sgl_mmkv.benchmarking.workloads import BenchRequest
+from harness.workloads import BenchRequest
 
 
 @dataclass(slots=True)
