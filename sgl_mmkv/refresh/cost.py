@@ -55,6 +55,9 @@ def refresh_rows(
 ) -> torch.Tensor:
     """``(extend_len,)`` bool: the extend tokens the refresh pass of ``plan`` computes.
 
+    The rows are a host mask like the plan's masks; ``selected`` (on the scorer's
+    device) is copied to the host here, once.
+
     Args:
         fresh: ``(extend_len,)`` bool, the tokens not served from a segment.
         selected: ``(k,)`` row positions of the reused tokens to refresh.
@@ -63,7 +66,7 @@ def refresh_rows(
         skip: leading tokens whose KV is final already (:func:`unchanged_prefix`).
     """
     rows = fresh & ~plan.dropped_mask() if after_scoring_pass else fresh.clone()
-    rows[selected - plan.prefix_len] = True
+    rows[selected.to(rows.device) - plan.prefix_len] = True
     rows[:skip] = False
     rows[-1] = True  # every request keeps its last row for the logits
     return rows

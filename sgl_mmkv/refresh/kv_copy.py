@@ -31,22 +31,28 @@ class SegmentCopier:
 
     def copy(self, model_runner, forward_batch, plans: list[RequestPlan]) -> None:
         """Rotated copies of every reused span of ``plans`` into the request rows of
-        ``forward_batch``, all layers; a row's holes hold no KV (poisoned in tests)."""
+        ``forward_batch``, all layers; a row's holes hold no KV (poisoned in tests).
+
+        The plans' host positions and deltas are moved to the pool's device once per
+        request, before the layer loop; a request's pool row is picked on the device,
+        never read on the host, so the copy does not wait for the device."""
         rates = self.rates(model_runner.model)
+        pool = model_runner.token_to_kv_pool
+        table = model_runner.req_to_token_pool.req_to_token
         src, dst, delta = [], [], []
-        req_to_token = model_runner.req_to_token_pool.req_to_token
         for plan in plans:
-            pool_index = forward_batch.req_pool_indices[plan.index]
-            row = req_to_token[pool_index]
+            pool_row = forward_batch.req_pool_indices[plan.index : plan.index + 1]  # (1,)
             holes = plan.hole_mask().nonzero().flatten() + plan.prefix_len
-            poison_slots(model_runner.token_to_kv_pool, row[holes.to(row.device)])
-            for span in plan.spans:
-                src.append(span.source_slots())
-                dst.append(row[span.reused_positions().to(row.device)])
-                delta.append(torch.full((span.num_reused,), span.delta, dtype=torch.long))
+            if holes.numel():
+                poison_slots(pool, table[pool_row, holes.to(table.device)])
+            if not plan.spans:
+                continue
+            positions = torch.cat([span.reused_positions() for span in plan.spans])
+            src += [span.source_slots() for span in plan.spans]
+            dst.append(table[pool_row, positions.to(table.device)])
+            delta += [torch.full((s.num_reused,), s.delta, dtype=torch.long) for s in plan.spans]
         if not src:
             return
-        pool = model_runner.token_to_kv_pool
         device = pool.get_key_buffer(0).device
         src_loc = torch.cat(src).to(device)
         dst_loc = torch.cat(dst).to(device, torch.long)

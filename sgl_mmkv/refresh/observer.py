@@ -36,17 +36,24 @@ def decoder_attention_modules(model) -> list[torch.nn.Module]:
 class PrefillObserver:
     """Observations of one pass, for the requests in ``rows``.
 
+    Everything observed stays on the device of the forward, and observing never waits
+    for it: the hooks run inside every layer.
+
     Attributes:
         rows: request index in the pass -> ``(m,)`` int64 rows within that
             request's tokens of the pass whose queries are kept.
-        queries: request -> layer -> ``(m, H_q, d)``.
+        queries: request -> layer -> ``(m, H_q, d)`` in the forward's dtype.
         hidden_stats: request -> layer -> ``(mean, std, hidden_size)`` of the
-            request's attention input in the pass.
+            request's attention input in the pass, mean and std 0-dim float32.
     """
 
     rows: dict[int, torch.Tensor]
     queries: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    hidden_stats: dict[int, dict[int, tuple[float, float, int]]] = field(default_factory=dict)
+    hidden_stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = field(
+        default_factory=dict
+    )
+    # (request, device) -> rows moved there, once for every layer
+    _rows_on: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def _spans(self, forward_batch) -> Iterator[tuple[int, int]]:
         """``(request, first token of the request in the pass)`` of the observed ones."""
@@ -56,17 +63,24 @@ class PrefillObserver:
                 yield i, start
             start += int(n)
 
+    def _device_rows(self, i: int, start: int, device: torch.device) -> torch.Tensor:
+        """``rows[i] + start`` on ``device``, moved there once."""
+        key = (i, device)
+        if key not in self._rows_on:
+            self._rows_on[key] = self.rows[i].to(device) + start
+        return self._rows_on[key]
+
     def observe_queries(self, q: torch.Tensor, layer, forward_batch) -> None:
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         for i, start in self._spans(forward_batch):
-            rows = self.rows[i].to(q.device) + start
-            self.queries.setdefault(i, {})[layer.layer_id] = q_[rows].detach().float().cpu()
+            rows = self._device_rows(i, start, q.device)
+            self.queries.setdefault(i, {})[layer.layer_id] = q_[rows].detach()
 
     def observe_hidden(self, layer_id: int, hidden: torch.Tensor, forward_batch) -> None:
         counts = forward_batch.extend_seq_lens_cpu
         for i, start in self._spans(forward_batch):
-            x = hidden[start : start + int(counts[i])].float()
-            stats = (float(x.mean()), float(x.std()), int(x.shape[-1]))
+            x = hidden[start : start + int(counts[i])].detach().float()
+            stats = (x.mean(), x.std(), int(x.shape[-1]))
             self.hidden_stats.setdefault(i, {})[layer_id] = stats
 
     @contextmanager
@@ -119,9 +133,9 @@ def observing(observer: PrefillObserver | None, model, backend) -> Iterator:
 
 
 class QueryProjector:
-    """``project(layer, x, positions) -> (S, H_q, d)``: the layer's ``q_proj`` of
-    ``x`` ``(S, D)``, RoPE at text positions ``positions`` ``(S,)`` (for M-RoPE
-    models all three sections share the text position)."""
+    """``project(layer, x, positions) -> (S, H_q, d)`` float32 on the model's device:
+    the layer's ``q_proj`` of ``x`` ``(S, D)``, RoPE at text positions ``positions``
+    ``(S,)`` (for M-RoPE models all three sections share the text position)."""
 
     def __init__(self, model) -> None:
         self.modules = decoder_attention_modules(model)
@@ -132,4 +146,4 @@ class QueryProjector:
         qkv, _ = module.qkv_proj(x.to(weight.device, weight.dtype))
         q, k, _ = qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
         q, _ = module.rotary_emb(positions.to(weight.device), q.contiguous(), k.contiguous())
-        return q.reshape(x.shape[0], module.num_heads, module.head_dim).float().cpu()
+        return q.reshape(x.shape[0], module.num_heads, module.head_dim).float()

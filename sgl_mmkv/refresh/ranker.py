@@ -110,23 +110,24 @@ class VisualRanker:
         active: torch.Tensor | None = None,
         view: RowView | None = None,
     ) -> list[torch.Tensor]:
-        """Per span of ``spans``, ``(n,)`` float32 ranking of its tokens (higher: keep);
-        ``view``: the row's holes left out (:meth:`RowView.of`), None for a whole row."""
+        """Per span of ``spans``, ``(n,)`` float32 ranking of its tokens (higher: keep),
+        on the KV pool's device; ``view``: the row's holes left out (:meth:`RowView.of`),
+        None for a whole row."""
         if self._projector is None:
             self._projector = QueryProjector(model_runner.model)
         pass_rows = active if active is not None else torch.ones(plan.seq_len - plan.prefix_len)
         positions = pass_rows.bool().nonzero().flatten() + plan.prefix_len
-        query_positions = positions[observer.rows[plan.index]]
+        query_positions = positions[observer.rows[plan.index]]  # host, moved by ScoringInputs
         per_layer = observer.queries[plan.index]
         layers = sorted(per_layer)
-        keys = row_keys(model_runner, forward_batch, plan.index)
+        keys = row_keys(model_runner, forward_batch, plan.index, layers)
         if view is not None:  # ranked against the KV the row holds, never its holes
             keys, query_positions = view.rows(keys), view.compact(query_positions)
             spans = [view.span(start, end) for start, end in spans]
         stats = observer.hidden_stats.get(plan.index, {})
         inputs = ScoringInputs(
             queries=tuple(per_layer[layer] for layer in layers),
-            keys=tuple(keys[layer].float().cpu() for layer in layers),
+            keys=keys,  # the pool's dtype: the scorers' attention computes in float32
             values=(),
             query_positions=query_positions,
             image_spans=tuple(spans),

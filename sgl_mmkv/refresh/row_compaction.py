@@ -67,7 +67,8 @@ class RowCompactionCounters(Counters):
 class RowPlan:
     """Row positions to free from a request's row once its prefill of ``seq_len``
     tokens is committed: ``holes`` (never computed, must go) and ``drop``
-    (decode-time compression), each sorted, all in ``[prefix_len, seq_len)``."""
+    (decode-time compression), each sorted, all in ``[prefix_len, seq_len)``, host
+    tensors (moved to the row's device once, when the row shrinks)."""
 
     seq_len: int
     holes: torch.Tensor
@@ -87,10 +88,11 @@ class SavedRequestState:
 
 
 def dropped_positions(budget: float, ranked: dict[Span, torch.Tensor]) -> torch.Tensor:
-    """``(d,)`` sorted row positions outside each image's top ``ceil(budget * n)``."""
+    """``(d,)`` sorted row positions outside each image's top ``ceil(budget * n)``, on
+    the rankings' device (the host without rankings)."""
     drop = []
     for (start, _end), ranking in ranked.items():
-        keep = torch.zeros(ranking.numel(), dtype=torch.bool)
+        keep = torch.zeros(ranking.numel(), dtype=torch.bool, device=ranking.device)
         keep[top_tokens(ranking, budget)] = True
         drop.append((~keep).nonzero().flatten() + start)
     if not drop:
@@ -157,6 +159,7 @@ class RowCompactor:
 
     def _plan_row(self, forward_batch, plan: RequestPlan, holes=_EMPTY, drop=_EMPTY) -> None:
         row = int(forward_batch.req_pool_indices[plan.index])
+        holes, drop = holes.cpu(), drop.cpu()  # a RowPlan is host metadata
         old = self._pending.get(row)
         if old is not None and old.seq_len == plan.seq_len:
             holes, drop = torch.cat([old.holes, holes]), torch.cat([old.drop, drop])
@@ -234,9 +237,10 @@ class RowCompactor:
         length, d = plan.seq_len, int(removed.numel())
         kept = torch.ones(length, dtype=torch.bool)
         kept[removed] = False
-        kept = kept.to(row.device)
-        allocator.free(row[:length][~kept].to(torch.int64))
-        row[: length - d] = row[:length][kept].clone()
+        # host positions, moved to the row's device once: no boolean mask on the device
+        kept, removed = kept.nonzero().flatten().to(row.device), removed.to(row.device)
+        allocator.free(row[removed].to(torch.int64))
+        row[: length - d] = row[kept]
         req.kv.kv_committed_len -= d
         req.kv.kv_allocated_len -= d
         batch.seq_lens = batch.seq_lens.clone()

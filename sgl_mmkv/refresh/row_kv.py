@@ -1,23 +1,33 @@
-"""Read one request's row of KV out of SGLang's pool."""
+"""Read one request's row of KV out of SGLang's pool, on the pool's device."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
 def _row(model_runner, forward_batch, index: int) -> torch.Tensor:
-    """``(seq_len,)`` KV slot indices of request ``index``'s row."""
-    seq_len = int(forward_batch.seq_lens[index])
-    return model_runner.req_to_token_pool.req_to_token[
-        forward_batch.req_pool_indices[index], :seq_len
-    ]
+    """``(seq_len,)`` KV slot indices of request ``index``'s row, on the device of
+    ``req_to_token``; with the batch's ``seq_lens_cpu`` no host sync (its pool row is
+    picked by a device index, never read as a number)."""
+    seq_lens = forward_batch.seq_lens_cpu
+    if seq_lens is None:
+        seq_lens = forward_batch.seq_lens
+    seq_len = int(seq_lens[index])
+    pool_row = forward_batch.req_pool_indices[index : index + 1]
+    return model_runner.req_to_token_pool.req_to_token[pool_row, :seq_len][0]
 
 
-def row_keys(model_runner, forward_batch, index: int) -> tuple[torch.Tensor, ...]:
-    """Per layer ``(seq_len, H_kv, d)`` copies of K of request ``index``'s row."""
+def row_keys(
+    model_runner, forward_batch, index: int, layers: Sequence[int] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Per layer of ``layers`` (default: all) ``(seq_len, H_kv, d)`` copies of K of
+    request ``index``'s row."""
     pool = model_runner.token_to_kv_pool
     row = _row(model_runner, forward_batch, index)
-    return tuple(pool.get_key_buffer(layer)[row].clone() for layer in range(pool.layer_num))
+    layers = range(pool.layer_num) if layers is None else layers
+    return tuple(pool.get_key_buffer(layer)[row] for layer in layers)
 
 
 def row_kv(
@@ -26,5 +36,6 @@ def row_kv(
     """Per layer ``(seq_len, H_kv, d)`` copies of K and V of request ``index``'s row."""
     pool = model_runner.token_to_kv_pool
     row = _row(model_runner, forward_batch, index)
-    values = tuple(pool.get_value_buffer(layer)[row].clone() for layer in range(pool.layer_num))
-    return row_keys(model_runner, forward_batch, index), values
+    keys = tuple(pool.get_key_buffer(layer)[row] for layer in range(pool.layer_num))
+    values = tuple(pool.get_value_buffer(layer)[row] for layer in range(pool.layer_num))
+    return keys, values

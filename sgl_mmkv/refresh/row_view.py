@@ -61,6 +61,9 @@ class RowView:
         return int(inside[0]), int(inside[-1]) + 1
 
     def rows(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Per layer ``(seq_len, ...)`` row tensors restricted to the kept positions."""
-        kept = self.kept
-        return tuple(t[kept.to(t.device)] for t in tensors)
+        """Per layer ``(seq_len, ...)`` row tensors restricted to the kept positions
+        (the kept positions moved to the tensors' device once, for every layer)."""
+        if not tensors:
+            return ()
+        kept = self.kept.to(tensors[0].device)
+        return tuple(t[kept] for t in tensors)

@@ -22,7 +22,7 @@ def elite_rows(query: torch.Tensor, text_keys: torch.Tensor, alpha: float) -> to
         ``(n_e,)`` int64 indices into the text tokens.
     """
     n_t = text_keys.shape[0]
-    last = torch.tensor([n_t - 1])
+    last = torch.full((1,), n_t - 1, device=text_keys.device)
     att = kv_head_attention(query, text_keys, last).mean(dim=0)[0]  # (n_t,)
     return (att >= alpha * att.max()).nonzero().flatten()
 
@@ -31,7 +31,7 @@ def skewness(x: torch.Tensor) -> torch.Tensor:
     """Sample skewness ``n / ((n-1)(n-2)) * sum(((x - mu) / sigma)^3)`` of ``(..., n)``."""
     n = x.shape[-1]
     if n < 3:
-        return torch.zeros(x.shape[:-1])
+        return x.new_zeros(x.shape[:-1])
     mu = x.mean(dim=-1, keepdim=True)
     sigma = x.std(dim=-1, keepdim=True).clamp(min=1e-12)
     return n / ((n - 1) * (n - 2)) * (((x - mu) / sigma) ** 3).sum(dim=-1)
@@ -110,10 +110,10 @@ class AirCacheScorer(TokenScorer):
     def ranking(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         importance = self.layer_importance(inputs)
         num_layers, n = importance.shape
-        counts = layer_keep_counts(self.layer_budgets(importance, budget), n)
-        votes = torch.zeros(n)
+        counts = layer_keep_counts(self.layer_budgets(importance, budget), n).tolist()
+        votes = importance.new_zeros(n)
         for layer in range(num_layers):
-            votes[torch.topk(importance[layer], int(counts[layer])).indices] += 1
+            votes[torch.topk(importance[layer], counts[layer]).indices] += 1
         mean = importance.mean(dim=0)
         return votes + 0.5 * mean / mean.max().clamp(min=1e-12)
 

@@ -36,12 +36,15 @@ class ScoringInputs:
         fresh_keys, fresh_values: optional, per scored layer ``(n, H_kv, d)``, the
             row recomputed in full at that layer (CacheBlend's deviation signal).
         hidden_stats: optional, per scored layer ``(mean, std, hidden_size)``: global
-            scalar mean and std of the attention input (after ``input_layernorm``)
-            over the request's prompt tokens, and its width.
+            scalar mean and std (floats or 0-dim tensors) of the attention input
+            (after ``input_layernorm``) over the request's prompt tokens, and its width.
         project_queries: optional ``f(layer, x, positions) -> (S, H_q, d)``: the
             layer's ``q_proj`` of ``x`` ``(S, D)`` with RoPE at text positions
             ``positions`` ``(S,)`` (MM-ShiftKV's query proxies).
         layer_ids: optional, the model layer of each per-layer entry (None: 0, 1, ...).
+        device: where the scorer computes and returns its results; default the
+            keys' device, else ``query_positions``'. Every tensor input is moved
+            there once, here (a no-op for those already there).
     """
 
     queries: tuple[torch.Tensor, ...]
@@ -51,24 +54,49 @@ class ScoringInputs:
     image_spans: tuple[tuple[int, int], ...]
     fresh_keys: tuple[torch.Tensor, ...] | None = None
     fresh_values: tuple[torch.Tensor, ...] | None = None
-    hidden_stats: tuple[tuple[float, float, int], ...] | None = None
+    hidden_stats: tuple[tuple[torch.Tensor | float, torch.Tensor | float, int], ...] | None = None
     project_queries: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer_ids: tuple[int, ...] | None = None
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        device = self.device
+        if device is None:
+            device = self.keys[0].device if self.keys else self.query_positions.device
+        device = torch.device(device)
+        object.__setattr__(self, "device", device)
+        for name in ("queries", "keys", "values", "fresh_keys", "fresh_values"):
+            tensors = getattr(self, name)
+            if tensors is not None:
+                object.__setattr__(self, name, tuple(t.to(device) for t in tensors))
+        object.__setattr__(self, "query_positions", self.query_positions.to(device))
+        if self.hidden_stats is not None:
+            stats = tuple(
+                (_on(mean, device), _on(std, device), width)
+                for mean, std, width in self.hidden_stats
+            )
+            object.__setattr__(self, "hidden_stats", stats)
 
     @property
     def visual_positions(self) -> torch.Tensor:
-        """``(N_v,)`` row positions of the visual tokens, image by image."""
-        return torch.cat([torch.arange(s, e) for s, e in self.image_spans])
+        """``(N_v,)`` row positions of the visual tokens, image by image, on :attr:`device`."""
+        parts = [torch.arange(s, e, device=self.device) for s, e in self.image_spans]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
 
     @property
     def num_visual(self) -> int:
         return sum(e - s for s, e in self.image_spans)
 
     def image_ids(self) -> torch.Tensor:
-        """``(N_v,)`` index of the image each visual token belongs to."""
-        return torch.cat(
-            [torch.full((e - s,), j, dtype=torch.long) for j, (s, e) in enumerate(self.image_spans)]
-        )
+        """``(N_v,)`` index of the image each visual token belongs to, on :attr:`device`."""
+        counts = torch.tensor([e - s for s, e in self.image_spans], dtype=torch.long)
+        ids = torch.arange(len(self.image_spans)).repeat_interleave(counts)
+        return ids.to(self.device)
+
+
+def _on(x: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
+    """A tensor statistic moved to ``device``; a Python number as it is."""
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def budget_count(budget: float, num_visual: int) -> int:

@@ -15,21 +15,28 @@ from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
 QUERY_SPANS: tuple[str, ...] = ("tail_text", "last_text")
 
 
-def image_amplification(scores: torch.Tensor, image_ids: torch.Tensor, lam: float) -> torch.Tensor:
-    """``c_j = 1 + lam * (m_j / mean_j m_j - 1)``, ``m_j = mean_{t in j} max(s_t, 0)``.
+def image_amplification(
+    scores: torch.Tensor, image_ids: torch.Tensor, lam: float, num_images: int | None = None
+) -> torch.Tensor:
+    """``c_j = 1 + lam * (m_j / mean_j m_j - 1)``, ``m_j = mean_{t in j} max(s_t, 0)``;
+    1 everywhere when every ``m_j`` is 0.
 
-    Returns ``(N_v,)``: each token's image factor. One image gives 1 everywhere.
+    Args:
+        scores: ``(N_v,)``.
+        image_ids: ``(N_v,)`` int64 on ``scores``' device, image ``0 .. num_images - 1``
+            of each token.
+        num_images: how many images (default: read from ``image_ids``, a host sync).
+    Returns ``(N_v,)`` float32: each token's image factor. One image gives 1 everywhere.
     """
-    image_ids = image_ids.to(scores.device)
-    num_images = int(image_ids.max()) + 1
+    if num_images is None:
+        num_images = int(image_ids.max()) + 1
     positive = scores.float().clamp(min=0)
     sums = torch.zeros(num_images, device=scores.device).index_add_(0, image_ids, positive)
     counts = torch.bincount(image_ids, minlength=num_images).float()
     m = sums / counts
     m_bar = m.mean()
-    if m_bar <= 0:
-        return torch.ones_like(scores)
-    return (1 + lam * (m / m_bar - 1))[image_ids]
+    factor = 1 + lam * (m / m_bar - 1)
+    return torch.where(m_bar > 0, factor, torch.ones_like(factor))[image_ids]
 
 
 @dataclass
@@ -86,8 +93,8 @@ class ConduitScorer(TokenScorer):
         query_positions = inputs.query_positions
         rows = slice(None)
         if self.query_span == "last_text" and query_positions.numel():
-            last = int(query_positions.argmax())
-            rows, query_positions = slice(last, last + 1), query_positions[last : last + 1]
+            last = query_positions.argmax(dim=0, keepdim=True)  # (1,), no host sync
+            rows, query_positions = last, query_positions[last]
         per_layer = []
         for i in self._scored(inputs):
             alpha = attention_mass(inputs.queries[i][rows], inputs.keys[i], query_positions)
@@ -97,5 +104,8 @@ class ConduitScorer(TokenScorer):
             per_layer.append(alpha)
         scores = torch.stack(per_layer).mean(dim=0)
         if self.amplification:
-            scores = scores * image_amplification(scores, inputs.image_ids(), self.amplification)
+            factor = image_amplification(
+                scores, inputs.image_ids(), self.amplification, len(inputs.image_spans)
+            )
+            scores = scores * factor
         return scores

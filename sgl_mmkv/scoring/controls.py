@@ -20,11 +20,14 @@ class FirstTokensScorer(TokenScorer):
     needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        offsets = torch.cat([torch.arange(e - s) for s, e in inputs.image_spans])
-        return -offsets.float()
+        offsets = [torch.arange(e - s, device=inputs.device) for s, e in inputs.image_spans]
+        return -torch.cat(offsets).float()
 
     def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
-        chosen = [torch.arange(s, s + budget_count(budget, e - s)) for s, e in inputs.image_spans]
+        chosen = [
+            torch.arange(s, s + budget_count(budget, e - s), device=inputs.device)
+            for s, e in inputs.image_spans
+        ]
         return torch.cat(chosen).sort().values
 
 
@@ -38,8 +41,9 @@ class RandomScorer(TokenScorer):
     seed: int = 0
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Drawn on the host, so that every device draws the same subset."""
         generator = torch.Generator().manual_seed(self.seed)
-        return torch.rand(inputs.num_visual, generator=generator)
+        return torch.rand(inputs.num_visual, generator=generator).to(inputs.device)
 
 
 @dataclass
@@ -51,7 +55,7 @@ class FullRecomputeScorer(TokenScorer):
     needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        return torch.ones(inputs.num_visual)
+        return torch.ones(inputs.num_visual, device=inputs.device)
 
     def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         return inputs.visual_positions
@@ -66,7 +70,7 @@ class NoRefreshScorer(TokenScorer):
     needs_attention: ClassVar[bool] = False
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        return torch.zeros(inputs.num_visual)
+        return torch.zeros(inputs.num_visual, device=inputs.device)
 
     def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         return inputs.visual_positions[:0]

@@ -43,25 +43,34 @@ class MMShiftKVScorer(TokenScorer):
     top_p: float = 0.95
     seed: int = 0
 
-    def proxy_positions(self, last: int) -> torch.Tensor:
+    def proxy_positions(self, last: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """``(num_samples,)``: group after group, positions ``last + stride * k``."""
-        per_group = last + self.group_stride * torch.arange(1, self.samples_per_group + 1)
-        return per_group.repeat(self.num_samples // self.samples_per_group)
+        k = torch.arange(1, self.samples_per_group + 1, device=device)
+        return (last + self.group_stride * k).repeat(self.num_samples // self.samples_per_group)
 
-    def layer_votes(self, inputs: ScoringInputs, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(H_kv, N_v)`` votes and ``(H_kv, N_v)`` last-query attention at ``layer``."""
+    def layer_votes(
+        self, inputs: ScoringInputs, layer: int, last: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(H_kv, N_v)`` votes and ``(H_kv, N_v)`` last-query attention at ``layer``.
+
+        ``last``: the last query's row position (default: read from the inputs, a
+        host sync). The proxies' noise is drawn on the host, so every device draws
+        the same, and moved to the inputs' device."""
         if inputs.hidden_stats is None or inputs.project_queries is None:
             raise ValueError("mmshiftkv needs the attention-input statistics and q_proj")
         q, k = inputs.queries[layer], inputs.keys[layer]
         mean, std, hidden_size = inputs.hidden_stats[layer]
-        last = int(inputs.query_positions[-1])
+        if last is None:
+            last = int(inputs.query_positions[-1])
         gen = torch.Generator().manual_seed(self.seed + layer)
-        x = mean + self.expansion * std * torch.randn(self.num_samples, hidden_size, generator=gen)
-        positions = self.proxy_positions(last)
+        noise = torch.randn(self.num_samples, hidden_size, generator=gen).to(inputs.device)
+        x = mean + self.expansion * std * noise
+        positions = self.proxy_positions(last, inputs.device)
         proxies = inputs.project_queries(layer, x, positions).float()  # (S, H_q, d)
         keys = k[:last]
         probs = kv_head_attention(proxies, keys, positions)  # (H_kv, S, last)
-        last_probs = kv_head_attention(q[-1:], keys, torch.tensor([last]))[:, 0]  # (H_kv, last)
+        last_position = torch.full((1,), last, device=inputs.device)
+        last_probs = kv_head_attention(q[-1:], keys, last_position)[:, 0]  # (H_kv, last)
         groups = self.num_samples // self.samples_per_group
         h_kv = probs.shape[0]
         grouped = probs.view(h_kv, groups, self.samples_per_group, last).sum(dim=2)
@@ -71,7 +80,8 @@ class MMShiftKVScorer(TokenScorer):
         return votes[:, visual], last_probs[:, visual]
 
     def _votes(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        per_layer = [self.layer_votes(inputs, layer) for layer in range(len(inputs.queries))]
+        last = int(inputs.query_positions[-1])  # one host sync, not one per layer
+        per_layer = [self.layer_votes(inputs, layer, last) for layer in range(len(inputs.queries))]
         votes = torch.stack([v for v, _ in per_layer])  # (L, H_kv, N_v)
         attention = torch.stack([a for _, a in per_layer])
         return votes, attention
