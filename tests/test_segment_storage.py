@@ -1,5 +1,11 @@
 """Segments in SGLang's L3 storage: round trips through the real ``file`` backend,
-corrupt / truncated / foreign entries are misses, a failing backend is a miss."""
+corrupt / truncated / foreign entries are misses, a failing backend is a miss.
+
+Storage is untrusted input: planted headers are refused before anything is read or
+allocated, objects that are not regular files of the directory are never opened as
+such, reads wait at most the deadline, writes never wait, the caps hold, a damaged
+entry is written again, and the fingerprint tells two models at one path apart.
+"""
 
 from __future__ import annotations
 
@@ -62,7 +68,9 @@ def assert_same(a: StoredSegment, b: StoredSegment) -> None:
 
 @pytest.mark.parametrize("compressed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_through_sglang_file_backend_is_bit_exact(storage, tmp_path, compressed, dtype):
+def test_round_trip_through_sglang_file_backend_is_bit_exact(tmp_path, compressed, dtype):
+    fingerprint = KVFingerprint("models/m", str(dtype), 2, 2, 4, 4)
+    storage = open_storage("file", fingerprint, directory=str(tmp_path))
     original = stored(compressed=compressed, dtype=dtype)
     assert storage.save(key(), original)
     assert len(files(tmp_path)) == 3  # the start-up probe, header and payload
@@ -71,7 +79,7 @@ def test_round_trip_through_sglang_file_backend_is_bit_exact(storage, tmp_path, 
     c = storage.counters
     assert (c.writes, c.lookups, c.hits, c.misses, c.corrupt) == (1, 1, 1, 0, 0)
     # a second instance on the same directory reads it, and does not write it again
-    other = open_storage("file", FINGERPRINT, directory=str(tmp_path))
+    other = open_storage("file", fingerprint, directory=str(tmp_path))
     assert_same(original, other.load(key()))
     assert other.save(key(), original) and other.counters.write_skipped == 1
     assert other.counters.writes == 0
@@ -90,6 +98,8 @@ def test_other_namespace_or_fingerprint_is_a_miss(storage, tmp_path):
         KVFingerprint("models/m", "torch.float32", 3, 2, 4, 4),
         KVFingerprint("models/m", "torch.float32", 2, 1, 4, 4),
         KVFingerprint("models/m", "torch.float32", 2, 2, 8, 8),
+        KVFingerprint("models/m", "torch.float32", 2, 2, 4, 4, fill="canonical"),
+        KVFingerprint("models/m", "torch.float32", 2, 2, 4, 4, pool="MHATokenToKVPoolFP4"),
     ):
         assert open_storage("file", changed, directory=str(tmp_path)).load(key()) is None
     assert storage.counters.misses == 4 and storage.counters.hits == 0
@@ -168,6 +178,7 @@ class Garbage:
 
 
 def test_a_raising_or_lying_backend_is_a_miss_never_an_error():
+    """Backends other than ``file`` go through SGLang's get / set (no directory)."""
     down = SegmentStorage(Raising(), FINGERPRINT)
     assert down.load(key()) is None and not down.save(key(), stored())
     assert (down.counters.errors, down.counters.misses, down.counters.write_failed) == (2, 1, 1)
@@ -226,7 +237,7 @@ def test_fill_writes_through_and_another_store_loads_it_bit_exact(tmp_path):
     src = a.allocator.alloc(5)
     positions = torch.arange(15).reshape(3, 5)
     segment = a.fill(key(), src, positions)
-    assert segment.persisted and a.storage.counters.writes == 1
+    assert segment.persisted and a.storage.drain() and a.storage.counters.writes == 1
     b = make_store(tmp_path)  # a fresh instance: other random pool contents
     loaded = b.lookup(key())
     assert loaded is not None and loaded.persisted and torch.equal(loaded.positions, positions)
@@ -249,6 +260,7 @@ def test_compressed_segment_loads_with_its_kept_tokens(tmp_path):
     segment = a.reserve(key(), 5, torch.arange(15).reshape(3, 5), ranking)
     a.compress(segment, 0.6)  # keeps tokens 0, 2, 3
     a.write_through(segment)
+    assert a.storage.drain()
     b = make_store(tmp_path)
     loaded = b.lookup(key())
     assert loaded.kept.tolist() == [0, 2, 3] and loaded.num_tokens == 3
@@ -259,6 +271,7 @@ def test_compressed_segment_loads_with_its_kept_tokens(tmp_path):
 def test_no_room_and_shape_mismatch_are_misses(tmp_path):
     a = make_store(tmp_path)
     a.fill(key(), a.allocator.alloc(5), torch.arange(15).reshape(3, 5))
+    assert a.storage.drain()
     full = make_store(tmp_path, size=4)  # pool too small for 5 tokens
     assert full.lookup(key()) is None and full.storage.counters.load_skipped == 1
     wrong = SegmentStore(Allocator(64), Pool(64, layers=3), storage=a.storage)
@@ -282,6 +295,7 @@ def test_a_load_that_evicts_a_segment_planned_earlier_in_the_batch_drops_that_sp
     mrope = torch.arange(14).repeat(3, 1)
     writer = make_store(tmp_path)
     writer.fill(_key(22, 4), writer.allocator.alloc(4), mrope[:, 3:7])
+    assert writer.storage.drain()
     b = make_store(tmp_path, size=8)
     b.fill(_key(11, 4), b.allocator.alloc(4), mrope[:, 3:7])
     b.allocator.alloc(4)  # the batch's own rows: the pool is full
@@ -327,3 +341,480 @@ def test_two_instances_writing_one_image_at_once_never_mix_payloads(storage, tmp
         assert instance.backend.set(name + "_h", encode_header(fields))
     assert_same(first, other.load(key()))
     assert other.counters.corrupt == 0
+
+
+# -- untrusted headers: checked against the key before anything is read or allocated ---
+
+
+def plant_header(storage: SegmentStorage, k: SegmentKey, **changes) -> None:
+    """A valid-checksum header for ``k`` under ``storage``'s fingerprint, with fields
+    changed as asked (what someone who can write the directory can do)."""
+    from dataclasses import asdict
+
+    from sgl_mmkv.segments.entry_format import FORMAT_VERSION, encode_header, key_fields
+
+    n = k.num_tokens
+    fields = {
+        "version": FORMAT_VERSION,
+        "key": key_fields(k),
+        "kv": asdict(storage.fingerprint),
+        "dtype": storage.fingerprint.dtype,
+        "positions": [3, n],
+        "kept": None,
+        "ranking": False,
+        "k_shape": [2, n, 2, 4],
+        "v_shape": [2, n, 2, 4],
+        "sha256": "0" * 64,
+    }
+    fields.update(changes)
+    fields.setdefault("payload_bytes", 3 * n * 8 + 2 * 2 * n * 2 * 4 * 4)
+    fields.setdefault("payload", f"{storage.entry_name(k)}_p{fields['sha256'][:16]}")
+    assert storage.backend.set(storage.entry_name(k) + "_h", encode_header(fields))
+
+
+HUGE = 100 * 2**30 // 128  # tokens: a K and V of ~100 GiB under FINGERPRINT
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"positions": [3, HUGE], "k_shape": [2, HUGE, 2, 4], "v_shape": [2, HUGE, 2, 4]},
+        {"positions": [10**9, 5]},
+        {"kept": 7, "k_shape": [2, 7, 2, 4], "v_shape": [2, 7, 2, 4]},
+        {"kept": 0, "k_shape": [2, 0, 2, 4], "v_shape": [2, 0, 2, 4]},
+        {"dtype": "torch.float64"},
+        {"dtype": 5},
+        {"payload_bytes": 10**12},
+        {"payload_bytes": float(3 * 5 * 8 + 2 * 2 * 5 * 2 * 4 * 4)},
+        {"k_shape": [2, 5, 2, True]},
+        {"ranking": 1},
+        {"sha256": "z" * 64},
+        {"payload": "../../etc/passwd"},
+    ],
+    ids=[
+        "100GiB",
+        "rows",
+        "kept>n",
+        "kept0",
+        "dtype",
+        "dtype_type",
+        "bytes",
+        "bytes_float",
+        "bool",
+        "ranking",
+        "sha",
+        "path",
+    ],  # fmt: skip
+)
+def test_a_planted_header_is_refused_before_any_payload_read(storage, monkeypatch, changes):
+    """Every field is checked against the key and fingerprint: nothing beyond the
+    4 KiB header is read, so nothing is sized from what the header claims."""
+    from sgl_mmkv.segments.file_directory import FileDirectory
+
+    reads = []
+    real_read = FileDirectory.read
+    monkeypatch.setattr(
+        FileDirectory,
+        "read",
+        lambda self, name, size: reads.append(size) or real_read(self, name, size),
+    )
+    plant_header(storage, key(), **changes)
+    assert storage.load(key()) is None
+    assert reads == [HEADER_BYTES]
+    c = storage.counters
+    assert (c.corrupt, c.misses, c.hits, c.errors, c.bytes_read) == (1, 1, 0, 0, 0)
+
+
+def test_every_stored_entry_fits_the_bound_of_its_key(storage, tmp_path):
+    from sgl_mmkv.segments.entry_format import max_payload_bytes
+
+    bound = max_payload_bytes(key(), FINGERPRINT)
+    for i, compressed in enumerate((False, True)):
+        assert storage.save(key(i), stored(compressed=compressed))
+    for f in files(tmp_path):
+        if "_p" in f:
+            assert os.path.getsize(tmp_path / f) <= bound
+    assert bound == 3 * 5 * 8 + 5 * 8 + 5 * 4 + 2 * 5 * 2 * (4 + 4) * 4
+
+
+# -- the file directory: regular files of the directory only, never blocking ----------
+
+
+def object_path(storage: SegmentStorage, tmp_path, k: SegmentKey, part: str):
+    stem = storage.entry_name(k)
+    return tmp_path / [f for f in files(tmp_path) if f.startswith(stem + part)][0]
+
+
+def load_within(storage: SegmentStorage, k: SegmentKey, seconds: float = 5.0):
+    """``storage.load(k)`` on a thread; fails the test instead of hanging it."""
+    import threading
+
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(got=storage.load(k)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the load blocked"
+    return out["got"]
+
+
+@pytest.mark.parametrize("part", ["_h", "_p"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink_out", "directory", "dev_zero"])
+def test_an_object_that_is_not_a_regular_file_of_the_directory_is_never_read(
+    storage, tmp_path, tmp_path_factory, part, kind
+):
+    """A FIFO would block ``open()`` (SGLang's HiCacheFile.get); a symlink out of the
+    directory points at a copy with valid bytes and checksum, so only the check can
+    refuse it."""
+    assert storage.save(key(), stored())
+    path = object_path(storage, tmp_path, key(), part)
+    outside = tmp_path_factory.mktemp("outside") / path.name
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink_out":
+        path.symlink_to(outside)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    assert load_within(storage, key()) is None
+    c = storage.counters
+    assert (c.unsafe, c.misses, c.hits, c.corrupt) == (1, 1, 0, 0)
+
+
+def test_a_padded_payload_is_corrupt_and_read_no_further(storage, tmp_path):
+    assert storage.save(key(), stored())
+    path = object_path(storage, tmp_path, key(), "_p")
+    path.write_bytes(path.read_bytes() + b"\0" * 2**20)
+    assert storage.load(key()) is None
+    assert (storage.counters.corrupt, storage.counters.bytes_read) == (1, 0)
+
+
+def test_object_names_cannot_leave_the_directory(tmp_path):
+    from sgl_mmkv.segments.file_directory import FileDirectory, UnsafeObject
+
+    directory = FileDirectory(str(tmp_path), "__0_1")
+    for name in ("../x", "a/b", "", "x.bin\0"):
+        with pytest.raises(UnsafeObject):
+            directory.file_name(name)
+
+
+# -- the deadline: reads waited for at most the deadline, writes never -----------------
+
+
+class Gated:
+    """A backend whose every call waits for ``gate`` (a hung NFS mount, say)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self.entered = threading.Event()  # a call is waiting at the gate
+        self.objects: dict[str, torch.Tensor] = {}
+
+    def exists(self, name):
+        self.entered.set()
+        self.gate.wait()
+        return name in self.objects
+
+    def get(self, name, target):
+        self.gate.wait()
+        target.copy_(self.objects[name])
+        return target
+
+    def set(self, name, value):
+        self.gate.wait()
+        self.objects[name] = value.clone()
+        return True
+
+
+def test_a_hung_read_is_a_timeout_then_reads_are_skipped_until_it_returns():
+    import time
+
+    from sgl_mmkv.segments.storage import StorageLimits
+
+    backend = Gated()
+    backend.gate.set()
+    storage = SegmentStorage(backend, FINGERPRINT, StorageLimits(deadline_s=0.05))
+    assert storage.save(key(), stored())
+    backend.gate.clear()  # the backend hangs from now on
+    started = time.monotonic()
+    assert storage.fetch(key()) is None  # waited 50 ms, then went on
+    assert storage.fetch(key()) is None  # not tried: the first read is still out
+    waited = time.monotonic() - started
+    assert 0.05 <= waited < 1.0
+    c = storage.counters
+    assert (c.lookups, c.misses, c.timeouts, c.stalled, c.hits) == (2, 2, 1, 1, 0)
+    backend.gate.set()  # the hung read returns; the next read is tried again
+    deadline = time.monotonic() + 5
+    while storage._reads._abandoned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_same(stored(), storage.fetch(key()))
+    assert (c.hits, c.timeouts, c.stalled) == (1, 1, 1)
+
+
+def test_a_read_that_never_returns_costs_at_most_a_few_threads(monkeypatch):
+    from sgl_mmkv.segments import deadline as module
+    from sgl_mmkv.segments.storage import StorageLimits
+
+    monkeypatch.setattr(module, "STALL_SECONDS", 0.0)  # retry at once after a timeout
+    backend = Gated()  # never opens
+    storage = SegmentStorage(backend, FINGERPRINT, StorageLimits(deadline_s=0.01))
+    for _ in range(10):
+        assert storage.fetch(key()) is None
+    c = storage.counters
+    assert c.timeouts == module.MAX_READ_THREADS and c.stalled == 10 - module.MAX_READ_THREADS
+    assert storage._reads.threads == module.MAX_READ_THREADS
+    backend.gate.set()
+
+
+def test_writes_are_queued_never_waited_for_and_dropped_when_the_queue_is_full():
+    import time
+
+    from sgl_mmkv.segments.storage import StorageLimits
+
+    backend = Gated()
+    limits = StorageLimits(deadline_s=0.05, queue_entries=2)
+    storage = SegmentStorage(backend, FINGERPRINT, limits)
+    started = time.monotonic()
+    assert storage.put(key(0), stored()) and backend.entered.wait(5.0)  # the writer hangs
+    queued = [storage.put(key(i), stored()) for i in range(1, 5)]
+    assert time.monotonic() - started < 0.5  # none waited for the hung backend
+    assert queued == [True, True, False, False]  # two wait, the rest are dropped
+    assert storage.counters.write_dropped == 2 and storage.counters.writes == 0
+    assert not storage.drain(0.05)
+    backend.gate.set()
+    assert storage.drain(5.0)
+    assert storage.counters.writes == 3 and storage.counters.write_dropped == 2
+    assert [storage.load(key(i)) is not None for i in range(5)] == [True] * 3 + [False] * 2
+
+
+def test_the_write_queue_bounds_the_bytes_it_holds():
+    from sgl_mmkv.segments.storage import StorageLimits
+
+    backend = Gated()
+    one = sum(t.numel() * t.element_size() for t in (stored().positions, stored().keys,
+                                                     stored().values))  # fmt: skip
+    storage = SegmentStorage(backend, FINGERPRINT, StorageLimits(queue_bytes=2 * one))
+    assert [storage.put(key(i), stored()) for i in range(3)] == [True, True, False]
+    backend.gate.set()
+    assert storage.drain(5.0) and storage.counters.writes == 2
+
+
+# -- caps: old entries give way, per namespace and in total ---------------------------
+
+ENTRY_BYTES = HEADER_BYTES + 3 * 5 * 8 + 2 * (2 * 5 * 2 * 4 * 4)  # one stored() entry on disk
+
+
+def capped(tmp_path, total_entries: float, namespace_entries: float | None = None):
+    from sgl_mmkv.segments.storage import StorageLimits
+
+    limits = StorageLimits(
+        max_bytes=int(total_entries * ENTRY_BYTES),
+        namespace_max_bytes=int((namespace_entries or total_entries) * ENTRY_BYTES),
+    )
+    return open_storage("file", FINGERPRINT, str(tmp_path), limits=limits)
+
+
+def entry_bytes(tmp_path) -> int:
+    return sum(os.path.getsize(tmp_path / f) for f in files(tmp_path) if "probe" not in f)
+
+
+def test_the_total_cap_holds_and_the_oldest_entries_give_way(tmp_path):
+    storage = capped(tmp_path, 3)
+    for i in range(5):
+        assert storage.save(key(i), stored())
+    assert entry_bytes(tmp_path) == 3 * ENTRY_BYTES <= storage.caps.max_bytes
+    assert [storage.load(key(i)) is not None for i in range(5)] == [False] * 2 + [True] * 3
+    c = storage.counters
+    assert (c.writes, c.evicted, c.evicted_bytes) == (5, 2, 2 * ENTRY_BYTES)
+
+
+def test_a_hit_keeps_an_entry_from_giving_way(tmp_path):
+    storage = capped(tmp_path, 3)
+    for i in range(3):
+        assert storage.save(key(i), stored())
+    assert storage.fetch(key(0)) is not None and storage.drain()  # 0 is now the newest
+    assert storage.save(key(3), stored())
+    assert [storage.load(key(i)) is not None for i in range(4)] == [True, False, True, True]
+
+
+def test_a_client_looping_salts_is_held_to_the_caps(tmp_path):
+    """One namespace keeps at most its cap, and every namespace together the total:
+    a client sending 40 salts pushes out old entries, never past the cap."""
+    storage = capped(tmp_path, total_entries=10, namespace_entries=2)
+    shared = [key(100 + i) for i in range(2)]
+    for k in shared:
+        assert storage.save(k, stored())
+    for i in range(3):  # one namespace writing three: its own oldest gives way
+        assert storage.save(key(i, Namespace("one-tenant", None)), stored())
+    assert storage.load(key(0, Namespace("one-tenant", None))) is None
+    assert all(storage.load(k) is not None for k in shared)
+    for i in range(40):
+        assert storage.save(key(i, Namespace(f"salt-{i}", None)), stored())
+        assert entry_bytes(tmp_path) <= 10 * ENTRY_BYTES
+    assert storage.counters.evicted == 1 + (2 + 2 + 40 - 10)
+
+
+def test_an_entry_larger_than_a_cap_is_not_written(tmp_path):
+    storage = capped(tmp_path, total_entries=0.5)
+    assert not storage.save(key(), stored())
+    assert (storage.counters.too_large, storage.counters.writes) == (1, 0)
+    assert entry_bytes(tmp_path) == 0
+
+
+def test_caps_count_what_other_instances_wrote(tmp_path, monkeypatch):
+    from sgl_mmkv.segments import storage_caps
+
+    monkeypatch.setattr(storage_caps, "RESCAN_SECONDS", 0.0)  # rescan at every write
+    a, b = capped(tmp_path, 3), capped(tmp_path, 3)
+    for i in range(6):
+        assert (a if i % 2 else b).save(key(i), stored())
+        assert entry_bytes(tmp_path) <= 3 * ENTRY_BYTES
+    assert [a.load(key(i)) is not None for i in range(6)] == [False] * 3 + [True] * 3
+
+
+def test_caps_by_default_follow_the_free_space(tmp_path):
+    storage = open_storage("file", FINGERPRINT, str(tmp_path))
+    free = storage.directory.free_bytes()
+    assert abs(storage.caps.max_bytes - free // 2) < 64 * 2**20
+    assert storage.caps.namespace_max_bytes == storage.caps.max_bytes // 2
+
+
+# -- a damaged entry is written again at the next fill --------------------------------
+
+
+@pytest.mark.parametrize("damage", ["payload_gone", "payload_flipped", "payload_fifo"])
+@pytest.mark.parametrize("seen_first", [True, False])
+def test_a_damaged_entry_is_rewritten_by_the_next_save(storage, tmp_path, damage, seen_first):
+    """``seen_first``: a load found the damage before the fill; else the save finds it
+    itself (a payload evicted by another instance's evictor) or, for a payload of the
+    right size, cannot (flipped bytes are found by a load only)."""
+    assert storage.save(key(), stored())
+    path = object_path(storage, tmp_path, key(), "_p")
+    if damage == "payload_gone":
+        path.unlink()
+    elif damage == "payload_flipped":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+        os.mkfifo(path)
+    if seen_first:
+        assert load_within(storage, key()) is None
+    rewrites = int(seen_first or damage != "payload_flipped")
+    assert storage.save(key(), stored())
+    c = storage.counters
+    assert (c.rewritten, c.writes, c.write_skipped) == (rewrites, 1 + rewrites, 1 - rewrites)
+    assert (load_within(storage, key()) is not None) == bool(rewrites)
+
+
+# -- the model's fingerprint ----------------------------------------------------------
+
+
+def test_two_models_at_one_path_have_other_identities(tmp_path):
+    """Two checkpoints of one architecture (same config, same safetensors header),
+    served in turn from one path, and dtype / quantization changes."""
+    import shutil
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from sgl_mmkv.segments.fingerprint import model_identity, weights_digest
+    from sgl_mmkv.testing.make_tiny_model import make_tiny_model
+
+    for seed in (0, 1):
+        make_tiny_model("qwen2_vl", tmp_path / f"seed{seed}", seed=seed)
+    served = tmp_path / "served"
+
+    def identity(seed: int, **changes) -> str:
+        shutil.rmtree(served, ignore_errors=True)
+        shutil.copytree(tmp_path / f"seed{seed}", served)
+        config = SimpleNamespace(
+            model_path=str(served), revision=None, dtype=torch.bfloat16, quantization=None,
+            hf_config=AutoConfig.from_pretrained(served),
+        )  # fmt: skip
+        for name, value in changes.items():
+            setattr(config, name, value)
+        return model_identity(config)
+
+    same = identity(0)
+    assert identity(0) == same  # a copy of the same weights: shared
+    assert identity(1) != same
+    assert identity(0, dtype=torch.float16) != same
+    assert identity(0, quantization="fp8") != same
+    assert weights_digest(str(tmp_path / "seed0")) == weights_digest(str(served)) != "none"
+    assert weights_digest("Qwen/Qwen2-VL-7B-Instruct") == "none"  # not a local directory
+    assert "weights=none" in identity(0, model_path="Qwen/Qwen2-VL-7B-Instruct")
+
+
+def test_the_fill_policy_separates_entries(tmp_path):
+    first = open_storage("file", FINGERPRINT, str(tmp_path))
+    canonical = KVFingerprint("models/m", "torch.float32", 2, 2, 4, 4, fill="canonical")
+    other = open_storage("file", canonical, str(tmp_path))
+    assert first.save(key(), stored())
+    assert other.entry_name(key()) != first.entry_name(key())
+    assert other.load(key()) is None and other.counters.misses == 1
+    assert KVFingerprint.of_pool(Pool(4), "m", "canonical").fill == "canonical"
+    assert KVFingerprint.of_pool(Pool(4), "m").pool == "Pool"
+
+
+# -- the flags -------------------------------------------------------------------------
+
+STORAGE_FLAGS = ["--mm-reuse", "conduit", "--mm-segment-storage", "file"]
+
+
+def test_storage_limits_come_from_the_flags():
+    from sgl_mmkv.launch_server import resolve_args
+    from sgl_mmkv.segments.storage import StorageLimits
+
+    config, _ = resolve_args(
+        [*STORAGE_FLAGS, "--mm-segment-storage-dir", "/tmp/x"]
+        + ["--mm-segment-storage-deadline-ms", "50", "--mm-segment-storage-max-gib", "2"]
+        + ["--mm-segment-storage-namespace-max-gib", "0.5"]
+    )
+    limits = StorageLimits.of_config(config)
+    assert (limits.deadline_s, limits.max_bytes, limits.namespace_max_bytes) == (
+        0.05, 2 * 2**30, 2**29,
+    )  # fmt: skip
+    default, _ = resolve_args([*STORAGE_FLAGS, "--mm-segment-storage-dir", "/tmp/x"])
+    assert StorageLimits.of_config(default) == StorageLimits()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--mm-segment-storage-deadline-ms", "0"], "deadline-ms must be in (0, 60000], got 0.0"),
+        (["--mm-segment-storage-deadline-ms", "60001"], "must be in (0, 60000]"),
+        (["--mm-segment-storage-deadline-ms", "nan"], "must be in (0, 60000], got nan"),
+        (["--mm-segment-storage-max-gib", "-1"], "max-gib must be a size in GiB >= 0"),
+        (["--mm-segment-storage-max-gib", "inf"], "max-gib must be a size in GiB >= 0"),
+        (
+            ["--mm-segment-storage-max-gib", "1", "--mm-segment-storage-namespace-max-gib", "2"],
+            "--mm-segment-storage-namespace-max-gib 2 is above --mm-segment-storage-max-gib 1",
+        ),
+    ],
+)
+def test_bad_storage_limits_exit_2_with_one_line(tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", "x", *STORAGE_FLAGS]
+        + ["--mm-segment-storage-dir", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_storage_limits_need_storage():
+    from sgl_mmkv.config import ConfigError
+    from sgl_mmkv.launch_server import resolve_args
+
+    with pytest.raises(ConfigError, match="need --mm-segment-storage other than none"):
+        resolve_args(["--mm-reuse", "conduit", "--mm-segment-storage-deadline-ms", "50"])

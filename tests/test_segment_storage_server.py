@@ -1,32 +1,60 @@
-"""Two ``--mm-reuse conduit`` instances sharing SGLang's ``file`` L3 storage, one machine.
+"""``--mm-reuse conduit`` instances sharing SGLang's ``file`` L3 storage, one machine.
 
 Instance A reads images and writes their segments through to the storage directory,
-then is stopped by PID. Instance B (canonical fill), started later on the same
+then is stopped by PID. Instance B (same fill policy), started later on the same
 directory, has never seen them: it reuses them under a new prefix (loaded from
 storage), and at budget 1.0 its answer equals a stock server's full prefill.
-Another ``cache_salt`` never loads A's segment; a truncated entry and a removed
-directory are misses, never failed requests. One server runs at a time.
+Another ``cache_salt`` never loads A's segment.
+
+The directory is untrusted input: entries of A are then damaged or replaced as
+someone who can write the directory could (a header claiming 100 GiB or 0.5 GiB, a
+FIFO or a symlink out of the directory at a payload path, a payload gone, a
+truncated entry, the directory removed). Each request still gets 200 and stock's
+answer, B's scheduler does not allocate what a header claims, and the counters say
+what happened. Instance C (canonical fill, a storage whose reads take 1 s, small
+caps) waits for no read longer than the deadline, never loads A's ``first``-fill
+entries, and keeps the directory under its caps. One server runs at a time, but for
+C, started while B is idle.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import time
 
 import pytest
 import requests
 
+from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
+from sgl_mmkv.segments.deadline import DELAY_FILE_ENV
+from sgl_mmkv.segments.entry_format import HEADER_BYTES, decode_header, encode_header
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    REPORT_REUSE,
+    ServerProcess,
+    flush_cache,
+    mmkv_stats,
+    stock_cpu_env,
+)
 
 TOKENS_PER_IMAGE = 16
 # qwen2_vl at budget 1.0 reproduces full prefill (tests/test_architectures_server.py)
 TOLERANCE = 1e-3
 X, Y, Z, V = make_image(1201), make_image(1202), make_image(1203), make_image(1204)
+# images whose entries the tests damage, each once
+DAMAGED = {name: make_image(1210 + i) for i, name in enumerate(
+    ("huge", "half", "fifo", "symlink", "gone")
+)}  # fmt: skip
 PROBE_SYSTEM = "Instance B asks, in other words."
+DAMAGE_SYSTEM = "B reads a damaged entry."
+GIB = 2**30
+SLACK_BYTES = 64 * 2**20  # what one request may add to the scheduler's peak RSS
 
 
-def _mmkv_args(storage_dir) -> list[str]:
+def _mmkv_args(storage_dir, *extra: str) -> list[str]:
     return [
         *CPU_SERVER_ARGS,
         "--sleep-on-idle",
@@ -36,6 +64,7 @@ def _mmkv_args(storage_dir) -> list[str]:
         "--mm-segment-storage", "file",
         "--mm-segment-storage-dir", str(storage_dir),
         REPORT_REUSE,
+        *extra,
     ]  # fmt: skip
 
 
@@ -50,7 +79,7 @@ def _chat(server, system: str, image, **extra) -> dict:
         "return_meta_info": True,
         **extra,
     }
-    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     first = choice["logprobs"]["content"][0]
@@ -61,31 +90,65 @@ def _chat(server, system: str, image, **extra) -> dict:
     }
 
 
+def _assert_same_answer(got: dict, want: dict) -> None:
+    assert got["text"] == want["text"]
+    shared_tokens = set(got["top"]) & set(want["top"])
+    assert len(shared_tokens) >= 4
+    for token in shared_tokens:
+        assert abs(got["top"][token] - want["top"][token]) < TOLERANCE, token
+
+
 def _entries(directory) -> set[str]:
     return {f for f in os.listdir(directory) if f.endswith(".bin")}
 
 
+def _storage(server) -> dict:
+    return mmkv_stats(server.base_url)["storage"]
+
+
+def _wait_writes(server, writes: int, timeout_s: float = 60.0) -> dict:
+    """The storage counters once ``writes + write_failed`` reached ``writes`` (writes
+    run on the writer thread, after the response)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _storage(server)
+        if stats["writes"] + stats["write_failed"] >= writes or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def _scheduler_peak_rss(server) -> int:
+    """VmHWM (peak resident set) of the server's scheduler process, in bytes."""
+    pid = re.search(rf"{ACTIVE_LOG_PREFIX}: .* pid=(\d+)", server.log_text()).group(1)
+    status = open(f"/proc/{pid}/status").read()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def _part(storage, files: set[str], part: str):
+    return storage / next(f for f in files if re.search(rf"_{part}[0-9a-f]*__0_1\.bin$", f))
+
+
 @pytest.fixture(scope="module")
 def shared(tiny_vlm, tmp_path_factory) -> dict:
-    """Stock's probe answer, then instance A reads X, Y (salted), Z and V and stops."""
+    """Stock's answers, then instance A reads X, Y (salted), Z, V and the images to
+    damage, and stops once its writes have landed."""
     logs = tmp_path_factory.mktemp("storage_logs")
     storage = tmp_path_factory.mktemp("l3") / "segments"
     args = [*CPU_SERVER_ARGS, "--sleep-on-idle"]
     with ServerProcess("sglang.launch_server", tiny_vlm, args, logs / "stock.log") as stock:
-        probe = _chat(stock, PROBE_SYSTEM, X)
+        answers = {"probe": _chat(stock, PROBE_SYSTEM, X)}
+        for name, image in DAMAGED.items():
+            answers[name] = _chat(stock, DAMAGE_SYSTEM, image)
     a = ServerProcess("sgl_mmkv.launch_server", tiny_vlm, _mmkv_args(storage), logs / "a.log")
     files: dict[str, set[str]] = {}
     try:
         a.start()
-        a_before = mmkv_stats(a.base_url)["storage"]  # after SGLang's warm-up request
+        a_before = _storage(a)  # after SGLang's warm-up request
         seen: set[str] = _entries(storage)
-        for name, image, extra in (
-            ("X", X, {}),
-            ("Y", Y, {"cache_salt": "tenant-A"}),
-            ("Z", Z, {}),
-            ("V", V, {}),
-        ):
+        shown = [("X", X, {}), ("Y", Y, {"cache_salt": "tenant-A"}), ("Z", Z, {}), ("V", V, {})]
+        for name, image, extra in [*shown, *((n, im, {}) for n, im in DAMAGED.items())]:
             assert _chat(a, "Instance A reads.", image, **extra)["reused"] == 0
+            _wait_writes(a, a_before["writes"] + len(files) + 1)
             files[name] = _entries(storage) - seen
             seen |= files[name]
         a_stats = mmkv_stats(a.base_url)
@@ -93,7 +156,7 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
         a.stop()  # by PID, the whole process tree
     assert a.process.poll() is not None
     return {
-        "stock": probe,
+        "stock": answers,
         "storage": storage,
         "files": files,
         "a_before": a_before,
@@ -104,16 +167,16 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def instance_b(tiny_vlm, shared):
-    """B fills new images canonically (A: ``first``), so both fill paths write through."""
-    args = [*_mmkv_args(shared["storage"]), "--mm-segment-fill", "canonical"]
+    args = _mmkv_args(shared["storage"])
     with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, shared["logs"] / "b.log") as b:
         yield b
 
 
 def test_instance_a_wrote_every_new_segment_through(shared):
     before, after = shared["a_before"], shared["a"]["storage"]
-    assert after["writes"] - before["writes"] == 4 and after["write_failed"] == 0
-    assert after["hits"] == 0 and after["lookups"] - before["lookups"] == 4  # none there before
+    shown = 4 + len(DAMAGED)
+    assert after["writes"] - before["writes"] == shown and after["write_failed"] == 0
+    assert after["hits"] == 0 and after["lookups"] - before["lookups"] == shown
     assert all(len(f) == 2 for f in shared["files"].values())  # a header and a payload each
 
 
@@ -121,12 +184,7 @@ def test_b_reuses_a_image_it_never_saw_and_equals_stock_full_prefill(instance_b,
     before = mmkv_stats(instance_b.base_url)
     got = _chat(instance_b, PROBE_SYSTEM, X)
     assert got["reused"] == TOKENS_PER_IMAGE
-    want = shared["stock"]
-    assert got["text"] == want["text"]
-    shared_tokens = set(got["top"]) & set(want["top"])
-    assert len(shared_tokens) >= 4
-    for token in shared_tokens:
-        assert abs(got["top"][token] - want["top"][token]) < TOLERANCE, token
+    _assert_same_answer(got, shared["stock"]["probe"])
     stats = mmkv_stats(instance_b.base_url)
     assert stats["storage"]["hits"] - before["storage"]["hits"] == 1
     assert stats["store"]["loaded"] - before["store"]["loaded"] == 1
@@ -134,22 +192,94 @@ def test_b_reuses_a_image_it_never_saw_and_equals_stock_full_prefill(instance_b,
 
 
 def test_another_salt_never_loads_a_segment(instance_b):
-    before = mmkv_stats(instance_b.base_url)["storage"]["hits"]
+    before = _storage(instance_b)["hits"]
     assert _chat(instance_b, "Tenant B reads.", Y, cache_salt="tenant-B")["reused"] == 0
     assert _chat(instance_b, "Nobody's tenant.", Y)["reused"] == 0
-    assert mmkv_stats(instance_b.base_url)["storage"]["hits"] == before
+    assert _storage(instance_b)["hits"] == before
     # the paired hit: A's own salt does load it
     assert _chat(instance_b, "Tenant A, in B.", Y, cache_salt="tenant-A")["reused"] == 16
-    assert mmkv_stats(instance_b.base_url)["storage"]["hits"] == before + 1
+    assert _storage(instance_b)["hits"] == before + 1
 
 
-def test_b_writes_its_new_images_through_from_the_canonical_fill(instance_b, shared):
+def test_b_writes_its_new_images_through(instance_b, shared):
     files_before = _entries(shared["storage"])
-    before = mmkv_stats(instance_b.base_url)["storage"]
+    before = _storage(instance_b)
     assert _chat(instance_b, "B reads a new image.", make_image(1206))["reused"] == 0
-    after = mmkv_stats(instance_b.base_url)["storage"]
+    after = _wait_writes(instance_b, before["writes"] + before["write_failed"] + 1)
     assert after["writes"] == before["writes"] + 1 and after["write_failed"] == 0
     assert len(_entries(shared["storage"]) - files_before) == 2
+
+
+def _plant_claim(shared, name: str, claimed_bytes: int) -> None:
+    """Rewrite A's header of image ``name`` (valid checksum, same key and fingerprint)
+    to claim a payload of about ``claimed_bytes``."""
+    header = _part(shared["storage"], shared["files"][name], "h")
+    fields = decode_header(header.read_bytes())
+    layers, _, heads, dim = fields["k_shape"]
+    per_token = 3 * 8 + 2 * layers * heads * dim * (4 if "32" in fields["dtype"] else 2)
+    n = claimed_bytes // per_token
+    fields.update(
+        positions=[3, n], k_shape=[layers, n, heads, dim], v_shape=[layers, n, heads, dim]
+    )
+    fields["payload_bytes"] = n * per_token
+    header.write_bytes(encode_header(fields).numpy().tobytes())
+    assert len(header.read_bytes()) == HEADER_BYTES
+
+
+@pytest.mark.parametrize("name,claim", [("half", GIB // 2), ("huge", 100 * GIB)])
+def test_a_planted_header_allocates_nothing_and_is_a_miss(instance_b, shared, name, claim):
+    """Before the fix the loader sized ``torch.zeros`` from these headers."""
+    _plant_claim(shared, name, claim)
+    peak = _scheduler_peak_rss(instance_b)
+    before = _storage(instance_b)
+    got = _chat(instance_b, DAMAGE_SYSTEM, DAMAGED[name])
+    assert got["reused"] == 0
+    _assert_same_answer(got, shared["stock"][name])
+    after = _storage(instance_b)
+    assert after["corrupt"] == before["corrupt"] + 1 and after["hits"] == before["hits"]
+    assert after["bytes_read"] == before["bytes_read"] and after["errors"] == before["errors"]
+    assert _scheduler_peak_rss(instance_b) - peak < SLACK_BYTES
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_payload_that_is_not_a_regular_file_of_the_directory_is_never_read(
+    instance_b, shared, tmp_path, kind
+):
+    """A FIFO would block the scheduler in ``open()``; the symlink points out of the
+    directory at a copy of the real payload (valid checksum): a read would be a hit."""
+    payload = _part(shared["storage"], shared["files"][kind], "p")
+    if kind == "fifo":
+        payload.unlink()
+        os.mkfifo(payload)
+    else:
+        outside = tmp_path / payload.name
+        shutil.copy(payload, outside)
+        payload.unlink()
+        payload.symlink_to(outside)
+    before = _storage(instance_b)
+    started = time.monotonic()
+    got = _chat(instance_b, DAMAGE_SYSTEM, DAMAGED[kind])
+    assert time.monotonic() - started < 60
+    assert got["reused"] == 0
+    _assert_same_answer(got, shared["stock"][kind])
+    after = _storage(instance_b)
+    assert after["unsafe"] == before["unsafe"] + 1
+    assert (after["hits"], after["corrupt"]) == (before["hits"], before["corrupt"])
+
+
+def test_an_entry_whose_payload_went_is_written_again_at_the_next_fill(instance_b, shared):
+    _part(shared["storage"], shared["files"]["gone"], "p").unlink()
+    before = _storage(instance_b)
+    got = _chat(instance_b, DAMAGE_SYSTEM, DAMAGED["gone"])
+    assert got["reused"] == 0
+    _assert_same_answer(got, shared["stock"]["gone"])
+    after = _wait_writes(instance_b, before["writes"] + before["write_failed"] + 1)
+    assert after["corrupt"] == before["corrupt"] + 1
+    assert (after["rewritten"], after["writes"]) == (before["rewritten"] + 1, before["writes"] + 1)
+    flush_cache(instance_b.base_url)
+    again = _chat(instance_b, "B, the repaired entry, elsewhere.", DAMAGED["gone"])
+    assert again["reused"] == TOKENS_PER_IMAGE  # loaded from the rewritten entry
+    assert _storage(instance_b)["hits"] == after["hits"] + 1
 
 
 def test_a_truncated_entry_is_a_miss_not_an_error(instance_b, shared):
@@ -157,21 +287,97 @@ def test_a_truncated_entry_is_a_miss_not_an_error(instance_b, shared):
     for name in shared["files"]["Z"]:
         path = storage / name
         path.write_bytes(path.read_bytes()[: os.path.getsize(path) // 2])
-    before = mmkv_stats(instance_b.base_url)["storage"]
+    before = _storage(instance_b)
     assert _chat(instance_b, "B reads a damaged entry.", Z)["reused"] == 0
-    after = mmkv_stats(instance_b.base_url)["storage"]
+    after = _storage(instance_b)
     assert after["corrupt"] == before["corrupt"] + 1 and after["hits"] == before["hits"]
     # computed fresh and kept in memory: the next prefix reuses it from the store
     assert _chat(instance_b, "B reads it again.", Z)["reused"] == TOKENS_PER_IMAGE
 
 
+def _directory_bytes(storage) -> int:
+    return sum(os.path.getsize(storage / f) for f in _entries(storage) if "probe" not in f)
+
+
+def _stems(names) -> set[str]:
+    return {
+        m.group(1) for f in names if (m := re.match(r"(sgl_mmkv_[0-9a-f]{16}_[0-9a-f]{64})_", f))
+    }
+
+
+def _namespaces(storage) -> list:
+    """The namespace seed of each entry with a readable header."""
+    seeds = []
+    for f in _entries(storage):
+        if re.search(r"_h__0_1\.bin$", f):
+            fields = decode_header((storage / f).read_bytes())
+            if fields is not None:
+                seeds.append(fields["key"]["namespace_seed"])
+    return seeds
+
+
+def test_c_never_waits_for_a_read_nor_loads_another_fill_policy_and_keeps_the_caps(
+    tiny_vlm, shared, instance_b, tmp_path
+):
+    """C: canonical fill, every storage read slowed to 1 s (``SGL_MMKV_STORAGE_DELAY_FILE``)
+    against the default deadline of 200 ms, and caps of five entries in total and two
+    per namespace on the directory A and B filled."""
+    storage = shared["storage"]
+    entry = sum(os.path.getsize(storage / f) for f in shared["files"]["X"])
+    total, per_space = 5 * entry, 2 * entry
+    args = _mmkv_args(
+        storage,
+        *("--mm-segment-fill", "canonical"),
+        *("--mm-segment-storage-max-gib", f"{total / GIB:.9f}"),
+        *("--mm-segment-storage-namespace-max-gib", f"{per_space / GIB:.9f}"),
+    )
+    delay = tmp_path / "storage_delay"
+    delay.write_text("1.0")
+    env = {**stock_cpu_env(), DELAY_FILE_ENV: str(delay)}
+    log = shared["logs"] / "c.log"
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log, env=env) as c:
+        start = _wait_writes(c, 0)  # after SGLang's warm-up request
+
+        def since_start(stats: dict) -> dict:
+            return {k: v - start[k] for k, v in stats.items()}
+
+        files_before = _entries(storage)
+        got = _chat(c, PROBE_SYSTEM, X)  # A's entry of X is there, under fill "first"
+        assert got["reused"] == 0
+        _assert_same_answer(got, shared["stock"]["probe"])
+        after = since_start(_wait_writes(c, start["writes"] + 1))
+        assert after["timeouts"] + after["stalled"] == after["lookups"] == 1
+        assert after["hits"] == 0 and after["write_skipped"] == 0 and after["writes"] == 1
+        assert len(_entries(storage) - files_before) == 2  # its own entry, another name
+        for i in range(3):  # one namespace writes three: its oldest gives way
+            # (a system prompt of its own each: after a cached <|vision_start|> a
+            # canonical fill could not compute the image alone, and would not store it)
+            system = f"C, one tenant, picture {i}."
+            _chat(c, system, make_image(1230 + i), cache_salt="one-tenant")
+        for i in range(4):  # a client looping salts
+            _chat(c, "C, looping salts.", make_image(1240 + i), cache_salt=f"salt-{i}")
+        stats = since_start(_wait_writes(c, start["writes"] + 8))
+        assert mmkv_stats(c.base_url)["store"]["canonical_skipped"] == 0
+        assert stats["writes"] == 8 and stats["too_large"] == 0, stats
+        assert stats["timeouts"] + stats["stalled"] == stats["lookups"] == 8
+        assert stats["timeouts"] >= 1 and stats["hits"] == 0
+        assert stats["load_seconds"] < 8 * 0.2 + 0.5  # never the 1 s of a read
+    seeds = _namespaces(storage)
+    assert _directory_bytes(storage) <= total
+    assert max(seeds.count(s) for s in set(seeds)) <= 2
+    old = _stems(files_before)
+    gone = old - _stems(_entries(storage))
+    assert len(gone) >= len(old) - 5 and stats["evicted"] >= len(gone)  # A's and B's gave way
+    assert requests.get(instance_b.base_url + "/health", timeout=30).status_code == 200
+
+
 def test_removed_storage_directory_gives_misses_not_failed_requests(instance_b, shared):
     shutil.rmtree(shared["storage"])
-    before = mmkv_stats(instance_b.base_url)["storage"]
+    before = _storage(instance_b)
     assert _chat(instance_b, "B after the directory went.", V)["reused"] == 0
     fresh = make_image(1205)
     assert _chat(instance_b, "B, a new image.", fresh)["reused"] == 0
-    after = mmkv_stats(instance_b.base_url)["storage"]
+    after = _wait_writes(instance_b, before["writes"] + before["write_failed"] + 2)
     assert after["hits"] == before["hits"] and after["errors"] == before["errors"]
     assert after["write_failed"] >= before["write_failed"] + 1
     assert _chat(instance_b, "B, the new image again.", fresh)["reused"] == TOKENS_PER_IMAGE

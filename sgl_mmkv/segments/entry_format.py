@@ -3,7 +3,10 @@
 An entry is a header of :data:`HEADER_BYTES` bytes (magic, sha256 of its JSON, the
 JSON's length, then the JSON) and a payload of raw tensor bytes, named by its
 checksum (:func:`payload_name`). :mod:`sgl_mmkv.segments.storage` reads and writes
-them through SGLang's storage backends.
+them through SGLang's storage backends. A header is untrusted input:
+:func:`payload_layout` checks every field against the key and the fingerprint
+before anything is read or allocated, so a load never reads more than
+:func:`max_payload_bytes` of the key.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import torch
 
 from sgl_mmkv.segments.key import SegmentKey
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 MAGIC = b"SGLMMKV\x01"
 PREFIX_BYTES = len(MAGIC) + 32 + 4  # magic, sha256 of the JSON, JSON length (big endian)
+MAX_POSITION_ROWS = 3  # M-RoPE: t, h, w; 1-D RoPE: 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +32,16 @@ class KVFingerprint:
     """What must match for stored KV to be valid in this server.
 
     Attributes:
-        model: the model's identity (path, revision, config hash).
+        model: the model's identity (:func:`sgl_mmkv.segments.fingerprint.model_identity`:
+            path, revision, config, weights, dtype, quantization).
         dtype: KV buffer dtype (``torch.bfloat16``).
         layers: KV layers.
         heads: KV heads per layer (of this rank).
         head_dim: K head dim.
         v_head_dim: V head dim.
+        fill: ``--mm-segment-fill`` (``first`` KV carries its request's context,
+            ``canonical`` KV does not: they are not interchangeable).
+        pool: the KV pool's class (quantized pools store other bytes).
     """
 
     model: str
@@ -42,14 +50,16 @@ class KVFingerprint:
     heads: int
     head_dim: int
     v_head_dim: int
+    fill: str = "first"
+    pool: str = ""
 
     @classmethod
-    def of_pool(cls, kv_pool, model: str) -> KVFingerprint:
+    def of_pool(cls, kv_pool, model: str, fill: str = "first") -> KVFingerprint:
         """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer)."""
         k, v = kv_pool.get_key_buffer(0), kv_pool.get_value_buffer(0)
         return cls(
             model, str(k.dtype), int(kv_pool.layer_num), int(k.shape[1]), int(k.shape[2]),
-            int(v.shape[2]),
+            int(v.shape[2]), fill, type(kv_pool).__name__,
         )  # fmt: skip
 
 
@@ -82,6 +92,13 @@ def key_fields(key: SegmentKey) -> dict[str, Any]:
         "grid": list(key.grid),
         "num_tokens": key.num_tokens,
     }
+
+
+def namespace_tag(key: SegmentKey) -> str:
+    """16 hex digits naming ``key``'s namespace in entry names (per-namespace caps);
+    the salt itself is not in the name."""
+    fields = {"seed": key.namespace.seed, "lora": key.namespace.lora_id}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,6 +142,8 @@ def decode_header(raw: bytes) -> dict[str, Any] | None:
 
 
 def dtype_of(name: str) -> torch.dtype:
+    if not isinstance(name, str):
+        raise ValueError(f"dtype {name!r} is not a name")
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
@@ -136,3 +155,84 @@ def payload_name(entry: str, digest: str) -> str:
     write one image at once write two payloads, and the header that lands first names
     its own (the other payload is left unused), never a mix of the two."""
     return f"{entry}_p{digest[:16]}"
+
+
+_HEX = set("0123456789abcdef")
+
+
+class BadHeader(ValueError):
+    """A header whose fields do not describe an entry of the key and fingerprint."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(value, length: int) -> tuple[int, ...]:
+    if not (isinstance(value, list) and len(value) == length):
+        raise BadHeader(f"{value!r} is not a list of {length} integers")
+    if not all(_is_int(d) for d in value):
+        raise BadHeader(f"{value!r} is not a list of {length} integers")
+    return tuple(value)
+
+
+def max_payload_bytes(key: SegmentKey, fp: KVFingerprint) -> int:
+    """The most payload bytes an entry of ``key`` can have under ``fp``: positions
+    (at most :data:`MAX_POSITION_ROWS` rows), kept indices, ranking, K and V of every
+    token."""
+    n = key.num_tokens
+    kv = fp.layers * n * fp.heads * (fp.head_dim + fp.v_head_dim) * dtype_of(fp.dtype).itemsize
+    return MAX_POSITION_ROWS * n * 8 + n * 8 + n * 4 + kv
+
+
+def payload_layout(
+    fields: dict[str, Any], key: SegmentKey, fp: KVFingerprint, entry: str
+) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+    """``(shape, dtype, bytes)`` of each payload tensor of a header's ``fields``, once
+    every field is checked against ``key`` and ``fp`` (the key and fingerprint fields
+    themselves are compared by the caller).
+
+    Raises:
+        BadHeader: a field is missing, of the wrong type, or does not fit.
+    """
+    try:
+        dtype = dtype_of(fields["dtype"])
+        positions = _ints(fields["positions"], 2)
+        k_shape, v_shape = _ints(fields["k_shape"], 4), _ints(fields["v_shape"], 4)
+        kept, ranking = fields["kept"], fields["ranking"]
+        size, digest, payload = fields["payload_bytes"], fields["sha256"], fields["payload"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise BadHeader(f"bad layout ({error!r})") from error
+    n = key.num_tokens
+    if fields["dtype"] != fp.dtype or not 1 <= positions[0] <= MAX_POSITION_ROWS:
+        raise BadHeader(f"dtype {fields['dtype']!r} or positions {positions} do not fit")
+    if positions[1] != n or not isinstance(ranking, bool):
+        raise BadHeader(f"positions {positions} or ranking {ranking!r} do not fit {n} tokens")
+    if kept is not None and not _is_int(kept):
+        raise BadHeader(f"kept {kept!r} is not an integer")
+    m = n if kept is None else kept
+    if not 0 < m <= n:
+        raise BadHeader(f"kept {kept!r} does not fit {n} tokens")
+    if k_shape != (fp.layers, m, fp.heads, fp.head_dim) or v_shape != (
+        fp.layers, m, fp.heads, fp.v_head_dim
+    ):  # fmt: skip
+        raise BadHeader(f"shapes {k_shape} {v_shape} do not fit the fingerprint")
+    shapes = [(positions, torch.long)]
+    if kept is not None:
+        shapes.append(((m,), torch.long))
+    if ranking:
+        shapes.append(((n,), torch.float32))
+    shapes += [(k_shape, dtype), (v_shape, dtype)]
+    layout = []
+    for shape, kind in shapes:
+        count = 1
+        for dim in shape:
+            count *= dim
+        layout.append((shape, kind, count * kind.itemsize))
+    bound = max_payload_bytes(key, fp)
+    if not _is_int(size) or sum(b for _, _, b in layout) != size or size > bound:
+        raise BadHeader(f"payload size {size!r} does not match its shapes")
+    hex_digest = isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX
+    if not hex_digest or payload != payload_name(entry, digest):
+        raise BadHeader("payload name does not match its checksum")
+    return layout

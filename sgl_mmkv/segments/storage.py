@@ -13,16 +13,26 @@ entry is two backend objects:
   two instances writing one image at once never pair a header with the other's
   payload).
 
-``<name>`` is the sha256 of (format version, namespaced content key, fingerprint),
-so salts, extra keys, adapters, models, dtypes and KV layouts never share an entry;
-the header repeats key and fingerprint in full and a load checks them. The payload
-is written before the header, so a header implies a complete payload on backends
-whose writes are atomic per object (``file`` writes a temporary file, then renames).
-SGLang's interface has no delete, and ``file`` does not overwrite an object: a
-damaged entry stays a (counted) miss until it is removed from the storage.
+``<name>`` is ``sgl_mmkv_<namespace tag>_<sha256 of (format version, namespaced
+content key, fingerprint)>``, so salts, extra keys, adapters, models, dtypes, fill
+policies and KV layouts never share an entry; the header repeats key and fingerprint
+in full and a load checks them. The payload is written before the header, so a
+header implies a complete payload on backends whose writes are atomic per object
+(``file`` writes a temporary file, then renames).
 
-Nothing here raises into the server: a missing, truncated, corrupt or foreign entry,
-or a backend that raises, is a miss (counted); a failed write is counted and dropped.
+Storage is untrusted input (anyone who can write the directory writes what the
+scheduler reads): a header is checked against the key and fingerprint before
+anything is read or allocated (:func:`~sgl_mmkv.segments.entry_format.payload_layout`),
+``file`` objects are read only as regular files of the expected size inside the
+directory (:mod:`~sgl_mmkv.segments.file_directory`), and the forward waits for a
+read at most the deadline (:mod:`~sgl_mmkv.segments.deadline`); writes are queued
+and never waited for. With ``file`` the directory is kept under a total and a
+per-namespace size cap, old entries giving way (:mod:`~sgl_mmkv.segments.storage_caps`),
+and an entry found damaged is removed and written again at the next fill.
+
+Nothing here raises into the server: a missing, truncated, corrupt, unsafe, foreign
+or late entry, or a backend that raises, is a miss (counted); a failed or refused
+write is counted and dropped.
 """
 
 from __future__ import annotations
@@ -30,32 +40,45 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from sgl_mmkv.counters import Counters
+from sgl_mmkv.segments.deadline import DONE, TIMEOUT, DeadlineCaller, WriteQueue, injected_delay
 from sgl_mmkv.segments.entry_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,
+    BadHeader,
     KVFingerprint,
     StoredSegment,
     decode_header,
-    dtype_of,
     encode_header,
     key_fields,
+    namespace_tag,
+    payload_layout,
     payload_name,
     payload_parts,
     tensor_bytes,
 )
+from sgl_mmkv.segments.file_directory import FileDirectory, UnsafeObject, WrongSize
 from sgl_mmkv.segments.key import SegmentKey
+from sgl_mmkv.segments.storage_caps import StorageCaps
 
 logger = logging.getLogger(__name__)
 
 NO_STORAGE = "none"
+GIB = 2**30
+# What SGLang 0.5.23's HiCacheFile appends to an object name for the config
+# open_storage gives it (no model name, TP rank 0 of 1); checked by the probe.
+FILE_SUFFIX = "__0_1"
+DERIVED_CAP_FALLBACK = 16 * GIB  # when the file system's free space is unknown
+DAMAGED_REMEMBERED = 4096
 
 
 class StorageError(RuntimeError):
@@ -69,82 +92,338 @@ class StorageCounters(Counters):
     lookups: int = 0
     hits: int = 0
     misses: int = 0
-    corrupt: int = 0  # bad header / checksum / sizes: treated as a miss
+    corrupt: int = 0  # bad header, checksum or size, missing payload: a miss
     mismatched: int = 0  # an intact entry for another key or fingerprint: a miss
+    unsafe: int = 0  # a symlink, FIFO, device or directory where an object should be
     errors: int = 0  # the backend raised: a miss or a dropped write
+    timeouts: int = 0  # a read past the deadline: a miss, the read is not waited for
+    stalled: int = 0  # not read: an earlier read is still past its deadline
     load_skipped: int = 0  # found, but no free pool slots to load it into
     writes: int = 0
     write_skipped: int = 0  # already stored (by us or another instance)
     write_failed: int = 0
+    write_dropped: int = 0  # the write queue was full: not written
+    write_slow: int = 0  # writes that took longer than the deadline (off the forward)
+    rewritten: int = 0  # a damaged entry removed and written again
+    too_large: int = 0  # an entry larger than a cap: not written
+    evicted: int = 0  # entries removed to keep the caps
+    evicted_bytes: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    load_seconds: float = 0.0  # inside forwards: lookups, reads, checksums
-    write_seconds: float = 0.0  # inside forwards: checksums, writes
+    load_seconds: float = 0.0  # the forward's waits for reads
+    write_seconds: float = 0.0  # the writer thread's writes
+
+
+@dataclass(frozen=True, slots=True)
+class StorageLimits:
+    """Attributes:
+    deadline_s: the longest a forward waits for one read.
+    max_bytes: every entry in a ``file`` directory together; 0: half the free space
+        of its file system when the storage is opened.
+    namespace_max_bytes: the entries of one namespace; 0: half of ``max_bytes``.
+    queue_entries, queue_bytes: writes waiting at most (entries, bytes of KV).
+    """
+
+    deadline_s: float = 0.2
+    max_bytes: int = 0
+    namespace_max_bytes: int = 0
+    queue_entries: int = 32
+    queue_bytes: int = 256 * 2**20
+
+    @classmethod
+    def of_config(cls, config) -> StorageLimits:
+        """From an ``MMKVConfig``'s ``--mm-segment-storage-*`` flags."""
+        return cls(
+            deadline_s=config.mm_segment_storage_deadline_ms / 1000,
+            max_bytes=int(config.mm_segment_storage_max_gib * GIB),
+            namespace_max_bytes=int(config.mm_segment_storage_namespace_max_gib * GIB),
+        )
+
+
+class _Corrupt(Exception):
+    """An entry that is not what its header says."""
+
+
+class _Mismatched(Exception):
+    """An intact entry of another key or fingerprint."""
 
 
 class SegmentStorage:
     """Write-through and read-back of segments in one ``HiCacheStorage`` backend.
 
+    :meth:`load` and :meth:`save` do the I/O on the caller's thread; the store calls
+    :meth:`fetch` (a load under the deadline) and :meth:`put` (a queued save).
+
     Args:
         backend: a ``HiCacheStorage`` (``get(key, target)``, ``set(key, value)``,
             ``exists(key)``).
         fingerprint: this server's :class:`KVFingerprint`.
+        limits: deadline, caps and write queue.
+        directory: the ``file`` backend's directory: reads go through it, and the
+            caps are kept in it. None: every operation goes through ``backend``.
     """
 
-    def __init__(self, backend, fingerprint: KVFingerprint) -> None:
+    def __init__(
+        self,
+        backend,
+        fingerprint: KVFingerprint,
+        limits: StorageLimits | None = None,
+        directory: FileDirectory | None = None,
+    ) -> None:
         self.backend = backend
         self.fingerprint = fingerprint
+        self.limits = limits = limits or StorageLimits()
+        self.directory = directory
         self.counters = StorageCounters()
         self._fingerprint_fields = asdict(fingerprint)
+        self._lock = threading.Lock()
+        self._damaged: OrderedDict[str, None] = OrderedDict()
+        self._reads = DeadlineCaller(limits.deadline_s)
+        self._writes = WriteQueue(limits.queue_entries, limits.queue_bytes)
+        self.caps: StorageCaps | None = None
+        if directory is not None:
+            total = limits.max_bytes or (directory.free_bytes() or 2 * DERIVED_CAP_FALLBACK) // 2
+            space = limits.namespace_max_bytes or total // 2
+            self.caps = StorageCaps(directory, total, space)
 
     def entry_name(self, key: SegmentKey) -> str:
         """The backend object name stem of ``key`` (hex, safe as a file name)."""
         identity = {"v": FORMAT_VERSION, "key": key_fields(key), "kv": self._fingerprint_fields}
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-        return f"sgl_mmkv_{digest}"
+        return f"sgl_mmkv_{namespace_tag(key)}_{digest}"
 
-    def contains(self, key: SegmentKey) -> bool:
-        """Whether the backend has ``key``'s header (False if the backend raises)."""
+    def count(self, counts: dict[str, int | float]) -> None:
+        """Add ``counts`` (counter name -> amount) to the counters (any thread)."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self.counters, name, getattr(self.counters, name) + value)
+
+    def _mark_damaged(self, name: str, damaged: bool = True) -> None:
+        with self._lock:
+            if damaged:
+                self._damaged[name] = None
+                if len(self._damaged) > DAMAGED_REMEMBERED:
+                    self._damaged.popitem(last=False)
+            else:
+                self._damaged.pop(name, None)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def load(self, key: SegmentKey) -> StoredSegment | None:
+        """The stored segment of ``key``, or None (missing, corrupt, unsafe, foreign,
+        or the backend failed; each counted). Reads on this thread, no deadline."""
+        stored, counts = self._read_entry(key)
+        self.count(counts)
+        return stored
+
+    def fetch(self, key: SegmentKey) -> StoredSegment | None:
+        """:meth:`load` on a worker thread, waited for at most the deadline: a read
+        that takes longer (``timeouts``) or is not started because an earlier one is
+        still running late (``stalled``) is a miss."""
+        started = time.perf_counter()
+        outcome = self._reads.call(lambda: self._read_entry(key))
+        stored = None
+        if outcome.status == DONE and outcome.error is None:
+            stored, counts = outcome.value
+        elif outcome.status == DONE:
+            counts = {"lookups": 1, "misses": 1, "errors": 1}
+        else:
+            late = "timeouts" if outcome.status == TIMEOUT else "stalled"
+            counts = {"lookups": 1, "misses": 1, late: 1}
+        counts["load_seconds"] = time.perf_counter() - started
+        self.count(counts)
+        if stored is not None and self.caps is not None:
+            self._writes.put(lambda: self._touch(self.entry_name(key)))
+        return stored
+
+    def _read_entry(self, key: SegmentKey) -> tuple[StoredSegment | None, dict]:
+        """The stored segment of ``key`` or None, and the counts of the read."""
+        counts: dict[str, int] = {"lookups": 1, "misses": 1}
+        name = self.entry_name(key)
+        injected_delay()
         try:
-            return bool(self.backend.exists(self.entry_name(key) + "_h"))
+            found = self._header(name, key)
+            if found is None:
+                return None, counts
+            fields, layout = found
+            payload = self._get(fields["payload"], fields["payload_bytes"])
+            if payload is None:
+                raise _Corrupt("payload missing")
+            if hashlib.sha256(payload).hexdigest() != fields["sha256"]:
+                raise _Corrupt("payload checksum")
+            stored = self._unpack(fields, layout, payload)
+        except (_Corrupt, BadHeader, WrongSize) as error:
+            return None, self._bad(counts, name, "corrupt", error)
+        except UnsafeObject as error:
+            return None, self._bad(counts, name, "unsafe", error)
+        except _Mismatched as error:
+            return None, self._bad(counts, name, "mismatched", error)
         except Exception as error:
-            self._error("exists", error)
-            return False
+            self._error("read", error)
+            return None, {**counts, "errors": 1}
+        self._mark_damaged(name, False)
+        return stored, {"lookups": 1, "hits": 1, "bytes_read": len(payload) + HEADER_BYTES}
+
+    def _header(self, name: str, key: SegmentKey) -> tuple[dict, list] | None:
+        """``(fields, payload layout)`` of ``name``'s header, checked against ``key`` and
+        the fingerprint; None if there is no header."""
+        raw = self._get(name + "_h", HEADER_BYTES)
+        if raw is None:
+            return None
+        fields = decode_header(raw)
+        if fields is None or fields.get("version") != FORMAT_VERSION:
+            raise _Corrupt("header")
+        if fields.get("key") != key_fields(key) or fields.get("kv") != self._fingerprint_fields:
+            raise _Mismatched("another key or fingerprint")
+        return fields, payload_layout(fields, key, self.fingerprint, name)
+
+    def _bad(self, counts: dict, name: str, kind: str, error: BaseException) -> dict:
+        self._mark_damaged(name)
+        logger.warning("sgl_mmkv: L3 segment %s is %s (%s); treated as a miss", name, kind, error)
+        return {**counts, kind: 1}
+
+    def _get(self, name: str, size: int) -> bytes | None:
+        """Exactly ``size`` bytes of object ``name``, or None if it is missing."""
+        if self.directory is not None:
+            try:
+                return self.directory.read(name, size)
+            except FileNotFoundError:
+                return None
+        if not self.backend.exists(name):
+            return None
+        target = torch.empty(size, dtype=torch.uint8)
+        got = self.backend.get(name, target)
+        if not isinstance(got, torch.Tensor) or got.numel() * got.element_size() != size:
+            raise _Corrupt(f"{name}: missing or wrong size")
+        return got.contiguous().view(torch.uint8).numpy().tobytes()
+
+    @staticmethod
+    def _unpack(fields: dict, layout, payload: bytes) -> StoredSegment:
+        """The tensors of ``payload`` as laid out by :meth:`save`."""
+        tensors, offset = [], 0
+        for shape, kind, size in layout:
+            chunk = bytearray(payload[offset : offset + size])
+            if len(chunk) != size:
+                raise _Corrupt("payload shorter than its shapes")
+            tensors.append(torch.frombuffer(chunk, dtype=kind).reshape(shape))
+            offset += size
+        if offset != len(payload):
+            raise _Corrupt("payload longer than its shapes")
+        kept = tensors[1] if fields["kept"] is not None else None
+        ranking = tensors[-3] if fields["ranking"] else None
+        return StoredSegment(tensors[0], kept, ranking, tensors[-2], tensors[-1])
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put(self, key: SegmentKey, stored: StoredSegment) -> bool:
+        """Queue :meth:`save` of ``stored`` (CPU tensors the queue now owns); False when
+        the queue is full (``write_dropped``)."""
+        size = sum(int(t.numel() * t.element_size()) for t in payload_parts(stored))
+        if self._writes.put(lambda: self.save(key, stored), size):
+            return True
+        self.count({"write_dropped": 1})
+        return False
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait for every queued write; False if ``timeout_s`` passed first."""
+        return self._writes.drain(timeout_s)
 
     def save(self, key: SegmentKey, stored: StoredSegment) -> bool:
-        """Write ``stored`` under ``key`` unless present. Returns True if it is stored now."""
+        """Write ``stored`` under ``key`` unless an intact entry is there. Returns True
+        if it is stored now."""
         started = time.perf_counter()
         try:
             return self._save(key, stored)
         finally:
-            self.counters.write_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            slow = int(elapsed > self.limits.deadline_s)
+            self.count({"write_seconds": elapsed, "write_slow": slow})
 
     def _save(self, key: SegmentKey, stored: StoredSegment) -> bool:
         name = self.entry_name(key)
         try:
-            if self.backend.exists(name + "_h"):
-                self.counters.write_skipped += 1
+            if self._intact(name, key):
+                self.count({"write_skipped": 1})
+                self._touch(name)
                 return True
+            if self._exists(name + "_h"):  # damaged, or its payload went: written again
+                if self.directory is None:
+                    self.count({"write_skipped": 1})
+                    return False
+                self.directory.remove_entry(name)
+                self.caps.removed(name)
+                self.count({"rewritten": 1})
             parts = [tensor_bytes(t) for t in payload_parts(stored)]
             payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
             fields = self._header_fields(key, stored, payload)
             header = encode_header(fields)
+            size = int(payload.numel()) + HEADER_BYTES
             if header is None:
-                self.counters.write_failed += 1
+                self.count({"write_failed": 1})
+                return False
+            if not self._admit(name, size):
                 return False
             if not (
                 self.backend.set(fields["payload"], payload)
                 and self.backend.set(name + "_h", header)
             ):
-                self.counters.write_failed += 1
+                self.count({"write_failed": 1})
                 return False
         except Exception as error:
             self._error("write", error)
-            self.counters.write_failed += 1
+            self.count({"errors": 1, "write_failed": 1})
             return False
-        self.counters.writes += 1
-        self.counters.bytes_written += int(payload.numel()) + HEADER_BYTES
+        if self.caps is not None:
+            self.caps.added(name, size)
+        self._mark_damaged(name, False)
+        self.count({"writes": 1, "bytes_written": size})
         return True
+
+    def _intact(self, name: str, key: SegmentKey) -> bool:
+        """Whether ``name`` has a header for ``key`` whose payload is there in full (and
+        no load found the entry damaged)."""
+        with self._lock:
+            if name in self._damaged:
+                return False
+        try:
+            found = self._header(name, key)
+            if found is None:
+                return False
+            fields, _ = found
+            if self.directory is None:
+                return bool(self.backend.exists(fields["payload"]))
+            return self.directory.size(fields["payload"]) == fields["payload_bytes"]
+        except (_Corrupt, _Mismatched, BadHeader, WrongSize, UnsafeObject):
+            return False
+
+    def _exists(self, name: str) -> bool:
+        if self.directory is None:
+            return bool(self.backend.exists(name))
+        try:
+            return self.directory.size(name) is not None
+        except UnsafeObject:
+            return True
+
+    def _admit(self, name: str, size: int) -> bool:
+        """Room under the caps (old entries give way); False: larger than a cap."""
+        if self.caps is None:
+            return True
+        done = self.caps.admit(name, size)
+        self.count(
+            {"evicted": done.evicted, "evicted_bytes": done.evicted_bytes,
+             "too_large": int(not done.admitted)}
+        )  # fmt: skip
+        return done.admitted
+
+    def _touch(self, name: str) -> None:
+        """A hit or a skipped write: the entry is recently used (``file``)."""
+        if self.directory is None:
+            return
+        try:
+            self.directory.touch(name + "_h")
+        except OSError:
+            return
+        self.caps.touched(name)
 
     def _header_fields(self, key, stored: StoredSegment, payload: torch.Tensor) -> dict:
         digest = hashlib.sha256(payload.numpy()).hexdigest()
@@ -163,118 +442,8 @@ class SegmentStorage:
             "payload": payload_name(self.entry_name(key), digest),
         }
 
-    def load(self, key: SegmentKey) -> StoredSegment | None:
-        """The stored segment of ``key``, or None (missing, corrupt, foreign, or the
-        backend failed; each counted)."""
-        started = time.perf_counter()
-        try:
-            return self._load(key)
-        finally:
-            self.counters.load_seconds += time.perf_counter() - started
-
-    def _load(self, key: SegmentKey) -> StoredSegment | None:
-        self.counters.lookups += 1
-        name = self.entry_name(key)
-        try:
-            if not self.backend.exists(name + "_h"):
-                self.counters.misses += 1
-                return None
-            fields = decode_header(self._read(name + "_h", HEADER_BYTES))
-            if fields is None or fields.get("version") != FORMAT_VERSION:
-                return self._corrupt(name, "header")
-            if fields.get("key") != key_fields(key) or fields.get("kv") != self._fingerprint_fields:
-                self.counters.mismatched += 1
-                self.counters.misses += 1
-                return None
-            layout = self._layout(fields)
-            if sum(size for _, _, size in layout) != fields.get("payload_bytes"):
-                raise _Corrupt("payload size does not match its shapes")
-            if fields.get("payload") != payload_name(name, str(fields.get("sha256"))):
-                raise _Corrupt("payload name does not match its checksum")
-            payload = self._read(fields["payload"], int(fields["payload_bytes"]))
-            if hashlib.sha256(payload).hexdigest() != fields.get("sha256"):
-                return self._corrupt(name, "payload checksum")
-            stored = self._unpack(fields, layout, payload)
-        except _Corrupt as error:
-            return self._corrupt(name, str(error))
-        except Exception as error:
-            self._error("read", error)
-            self.counters.misses += 1
-            return None
-        self.counters.hits += 1
-        self.counters.bytes_read += len(payload) + HEADER_BYTES
-        return stored
-
-    def _read(self, name: str, size: int) -> bytes:
-        """Exactly ``size`` bytes of object ``name`` (:class:`_Corrupt` otherwise)."""
-        target = torch.zeros(size, dtype=torch.uint8)
-        try:
-            got = self.backend.get(name, target)
-        except OSError as error:  # file: a truncated object is a short read
-            raise _Corrupt(f"{name}: {error}") from error
-        if not isinstance(got, torch.Tensor) or got.numel() * got.element_size() != size:
-            raise _Corrupt(f"{name}: missing or wrong size")
-        return got.contiguous().view(torch.uint8).numpy().tobytes()
-
-    def _layout(self, fields: dict) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
-        """``(shape, dtype, bytes)`` of each payload tensor the header describes, checked
-        against this server's fingerprint before anything is read (:class:`_Corrupt`)."""
-        fp = self.fingerprint
-        try:
-            dtype = dtype_of(fields["dtype"])
-            positions = tuple(int(d) for d in fields["positions"])
-            k_shape = tuple(int(d) for d in fields["k_shape"])
-            v_shape = tuple(int(d) for d in fields["v_shape"])
-            n, m = positions[1], k_shape[1]
-            kept = fields["kept"]
-            shapes = [(positions, torch.long)]
-            if kept is not None:
-                shapes.append(((int(kept),), torch.long))
-            if fields["ranking"]:
-                shapes.append(((n,), torch.float32))
-            shapes += [(k_shape, dtype), (v_shape, dtype)]
-        except (KeyError, TypeError, ValueError, IndexError) as error:
-            raise _Corrupt(f"bad layout ({error!r})") from error
-        if (
-            len(positions) != 2
-            or k_shape != (fp.layers, m, fp.heads, fp.head_dim)
-            or v_shape != (fp.layers, m, fp.heads, fp.v_head_dim)
-            or m != (n if kept is None else kept)
-            or min(*positions, m) < 0
-        ):
-            raise _Corrupt(f"shapes {positions} {k_shape} {v_shape} do not fit the fingerprint")
-        out = []
-        for shape, kind in shapes:
-            count = 1
-            for dim in shape:
-                count *= dim
-            out.append((shape, kind, count * torch.empty(0, dtype=kind).element_size()))
-        return out
-
     @staticmethod
-    def _unpack(fields: dict, layout, payload: bytes) -> StoredSegment:
-        """The tensors of ``payload`` as laid out by :meth:`save` (``layout``: :meth:`_layout`)."""
-        tensors, offset = [], 0
-        for shape, kind, size in layout:
-            chunk = bytearray(payload[offset : offset + size])
-            if len(chunk) != size:
-                raise _Corrupt("payload shorter than its shapes")
-            tensors.append(torch.frombuffer(chunk, dtype=kind).reshape(shape))
-            offset += size
-        if offset != len(payload):
-            raise _Corrupt("payload longer than its shapes")
-        kept = tensors[1] if fields["kept"] is not None else None
-        ranking = tensors[-3] if fields["ranking"] else None
-        return StoredSegment(tensors[0], kept, ranking, tensors[-2], tensors[-1])
-
-    def _corrupt(self, name: str, what: str) -> None:
-        self.counters.corrupt += 1
-        self.counters.misses += 1
-        logger.warning("sgl_mmkv: L3 segment %s is corrupt (%s); treated as a miss", name, what)
-        return None
-
-    def _error(self, what: str, error: BaseException) -> None:
-        self.counters.errors += 1
+    def _error(what: str, error: BaseException) -> None:
         logger.warning("sgl_mmkv: L3 segment storage %s failed (%r)", what, error)
 
     def check(self) -> None:
@@ -282,7 +451,8 @@ class SegmentStorage:
 
         SGLang's backends share one interface, but in 0.5.23 only some implement its
         tensor ``get`` / ``set`` (``file`` does; ``mooncake`` is zero-copy only,
-        ``hf3fs`` and ``nixl`` moved to page batches, ``sim`` keeps no data).
+        ``hf3fs`` and ``nixl`` moved to page batches, ``sim`` keeps no data). With
+        ``file`` the probe must be read back from the directory itself.
 
         Raises:
             StorageError: the probe did not round-trip.
@@ -291,7 +461,9 @@ class SegmentStorage:
         try:
             if not self.backend.exists(_PROBE) and not self.backend.set(_PROBE, probe):
                 raise StorageError("writing a probe object failed")
-            got = self._read(_PROBE, int(probe.numel()))
+            got = self._get(_PROBE, int(probe.numel()))
+            if got is None:
+                raise StorageError("the probe object is not where it was written")
         except Exception as error:
             raise StorageError(
                 f"{type(self.backend).__name__} does not store and return tensors through "
@@ -307,15 +479,12 @@ class SegmentStorage:
 _PROBE = "sgl_mmkv_probe"
 
 
-class _Corrupt(Exception):
-    """An entry that is not what its header says."""
-
-
 def open_storage(
     backend_name: str,
     fingerprint: KVFingerprint,
     directory: str | None = None,
     extra_config: dict[str, Any] | None = None,
+    limits: StorageLimits | None = None,
 ) -> SegmentStorage:
     """A :class:`SegmentStorage` over SGLang's backend ``backend_name``, made by its
     ``StorageBackendFactory`` (``file``: ``directory`` is its ``file_storage_path``),
@@ -351,11 +520,19 @@ def open_storage(
             f"--mm-segment-storage {backend_name}: SGLang's storage factory could not "
             f"create it ({error})"
         ) from error
-    storage = SegmentStorage(backend, fingerprint)
+    files = FileDirectory(directory, FILE_SUFFIX) if backend_name == "file" and directory else None
+    storage = SegmentStorage(backend, fingerprint, limits, files)
     try:
         storage.check()
     except StorageError as error:
         raise StorageError(f"--mm-segment-storage {backend_name}: {error}") from error
+    caps = storage.caps
+    logger.info(
+        "sgl_mmkv: segment storage read deadline %g ms, caps %s",
+        storage.limits.deadline_s * 1000,
+        "none (no directory)" if caps is None
+        else f"{caps.max_bytes} bytes, {caps.namespace_max_bytes} per namespace",
+    )  # fmt: skip
     return storage
 
 

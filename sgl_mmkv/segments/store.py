@@ -14,8 +14,9 @@ eviction scorer (``--mm-evict``) segments are first *compressed*
 by the ranking computed when it was filled, and frees the rest.
 
 With an L3 tier (:mod:`sgl_mmkv.segments.storage`, ``--mm-segment-storage``) every
-new segment is written through to SGLang's storage backend, and a lookup that misses
-in memory loads the segment from there into fresh store slots.
+new segment is queued to be written through to SGLang's storage backend (the
+forward never waits for a write), and a lookup that misses in memory loads the
+segment from there into fresh store slots, waiting at most the storage deadline.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Segment:
             ``None`` while the segment is whole (``m = n``).
         pinned: True while its KV is still being written (canonical fill): never
             evicted or compressed then.
-        persisted: True once its KV is in the L3 storage (written or loaded).
+        persisted: True once its KV is queued for the L3 storage, or loaded from it.
     """
 
     key: SegmentKey
@@ -96,6 +97,9 @@ class StoreCounters(Counters):
     compressed_tokens: int = 0
     flushed: int = 0
     loaded: int = 0  # segments loaded from the L3 storage (also counted in misses)
+    # canonical fill: images that could not be computed alone in their extend (the
+    # token before them, or part of them, in the prefix or an earlier chunk): not stored
+    canonical_skipped: int = 0
 
 
 class SegmentStore:
@@ -184,24 +188,32 @@ class SegmentStore:
         return segment
 
     def write_through(self, segment: Segment) -> None:
-        """Write ``segment`` (its KV complete) to the L3 storage; a no-op without one,
-        or once persisted. A failed write is counted by the storage, never raised."""
+        """Queue ``segment`` (its KV complete) for the L3 storage; a no-op without one,
+        or once persisted. Its KV is copied to the CPU here (on the forward's stream);
+        the write itself runs on the storage's writer thread. A failed or dropped
+        write is counted by the storage, never raised."""
         if self.storage is None or segment.persisted or not segment.alive:
             return
         layers = range(self.kv_pool.layer_num)
         try:
             keys = torch.stack([self.kv_pool.get_key_buffer(i)[segment.slots] for i in layers])
             values = torch.stack([self.kv_pool.get_value_buffer(i)[segment.slots] for i in layers])
+            stored = StoredSegment(
+                segment.positions.clone(),
+                None if segment.kept is None else segment.kept.clone(),
+                None if segment.ranking is None else segment.ranking.clone(),
+                keys.to("cpu"),
+                values.to("cpu"),
+            )
         except Exception as error:  # never fail the forward over the L3 copy
             logger.warning("sgl_mmkv: reading a segment for L3 failed (%r)", error)
-            self.storage.counters.write_failed += 1
+            self.storage.count({"write_failed": 1})
             return
-        stored = StoredSegment(segment.positions, segment.kept, segment.ranking, keys, values)
-        segment.persisted = self.storage.save(segment.key, stored)
+        segment.persisted = self.storage.put(segment.key, stored)
 
     def _load(self, key: SegmentKey) -> Segment | None:
         """``key``'s segment from the L3 storage, in fresh store slots, or None."""
-        stored = self.storage.load(key)
+        stored = self.storage.fetch(key)
         if stored is None:
             return None
         k0 = self.kv_pool.get_key_buffer(0)
@@ -220,11 +232,11 @@ class SegmentStore:
             or not kept_ok
             or n != key.num_tokens
         ):
-            self.storage.counters.mismatched += 1
+            self.storage.count({"mismatched": 1})
             return None
         segment = self.reserve(key, m, stored.positions, stored.ranking)
         if segment is None:
-            self.storage.counters.load_skipped += 1
+            self.storage.count({"load_skipped": 1})
             return None
         self.counters.fills -= 1  # loaded, not filled
         self.counters.ranked_fills -= stored.ranking is not None
