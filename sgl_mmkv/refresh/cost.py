@@ -29,8 +29,7 @@ def unchanged_prefix(plan: RequestPlan, selected: torch.Tensor, deviation_pass: 
         deviation_pass: the earlier pass recomputed the whole extend and the stale KV
             was restored afterwards (CacheBlend): the first reused token changed too.
     """
-    extend_len = plan.seq_len - plan.prefix_len
-    first = extend_len
+    first = plan.extend_len
     if selected.numel():
         first = min(first, int(selected.min()) - plan.prefix_len)
     if deviation_pass and plan.spans:

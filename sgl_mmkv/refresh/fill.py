@@ -2,22 +2,23 @@
 
 Policy ``first`` copies the KV the request computed for the image; ``canonical``
 recomputes each new image alone (after its ``<|vision_start|>``) in one pass
-whose attention is local to each image, writing straight into store slots. With
-scored eviction each new segment carries the ranking of its tokens, and with
-``--mm-compress-at fill`` it is compressed at once.
+whose attention is local to each image, writing straight into store slots. An
+image that cannot be computed alone in its extend (it starts at or crosses a chunk
+boundary, sits in the cached prefix, or directly follows another image) is not
+stored under ``canonical`` (counted in ``store.canonical_skipped``): a canonical
+segment never holds a request's context. With scored eviction each new segment
+carries the ranking of its tokens, and with ``--mm-compress-at fill`` it is
+compressed at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from sgl_mmkv.refresh.attention_backend import GroupLocalAttentionBackend
-from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
+from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.faults import fault_point
-from sgl_mmkv.refresh.flops import DecoderShape
-from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.segments.key import SegmentKey
 from sgl_mmkv.segments.store import SegmentStore
 
@@ -43,35 +44,23 @@ class SegmentFiller:
         self.fill_policy = fill_policy
         self.compress_budget = compress_budget
 
-    def fill(
-        self,
-        run_pass: Callable,
-        model_runner,
-        forward_batch,
-        plans: list[RequestPlan],
-        embeddings: EmbeddingPass | None,
-        rankings: dict[SegmentKey, torch.Tensor] | None = None,
-    ) -> None:
+    def fill(self, ctx: ExtendContext, rankings: dict[SegmentKey, torch.Tensor] | None) -> None:
         """Store the batch's new images, each with its eviction ranking from
         ``rankings`` (content key -> ``(n,)``) when it has one. ``canonical`` needs
-        the token before the image in this extend; an image without it is copied as
-        under ``first``."""
+        the token before the image in this extend; an image without it is not
+        stored (``store.canonical_skipped``)."""
         rankings = rankings or {}
         canonical = []
-        for plan in plans:
+        for plan in ctx.plans:
             for fill in plan.fills:
-                if self.fill_policy == "canonical" and fill.start > plan.prefix_len:
+                if self.fill_policy != "canonical":
+                    self._copy_fill(ctx, plan, fill, rankings)
+                elif fill.start > plan.prefix_len:
                     canonical.append((plan, fill))
                 else:
-                    self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
+                    self.store.counters.canonical_skipped += 1
         if canonical:
-            if embeddings is None:
-                embeddings = EmbeddingPass(
-                    full_batch=forward_batch, stock_backend=model_runner.attn_backend
-                )
-            self._fill_canonical(
-                run_pass, model_runner, forward_batch, canonical, embeddings, rankings
-            )
+            self._fill_canonical(ctx, canonical, rankings)
         if self.compress_budget is not None:
             for key in rankings:
                 segment = self.store.peek(key)
@@ -79,29 +68,27 @@ class SegmentFiller:
                     self.store.compress(segment, self.compress_budget)
         fault_point("fill")
 
-    def _copy_fill(self, model_runner, forward_batch, plan, fill, rankings=None) -> None:
+    def _copy_fill(self, ctx: ExtendContext, plan, fill, rankings) -> None:
         """Store ``fill`` from the KV the request computed for it (policy ``first``)."""
-        pool_index = forward_batch.req_pool_indices[plan.index]
-        row = model_runner.req_to_token_pool.req_to_token[pool_index]
+        pool_index = ctx.forward_batch.req_pool_indices[plan.index]
+        row = ctx.model_runner.req_to_token_pool.req_to_token[pool_index]
         ranking = (rankings or {}).get(fill.key)
         self.store.fill(
             fill.key, row[fill.start : fill.end].to(torch.long), fill.positions, ranking
         )
 
-    def _fill_canonical(
-        self, run_pass, model_runner, forward_batch, fills, embeddings, rankings
-    ) -> None:
+    def _fill_canonical(self, ctx: ExtendContext, fills, rankings) -> None:
         """One pass over ``[token before the image, image tokens]`` of every fill, each
         group attending to itself only, at the request's positions; the image rows'
         KV goes straight into fresh store slots. The request's own KV is untouched."""
-        extend_lens = forward_batch.extend_seq_lens_cpu
+        extend_lens = ctx.forward_batch.extend_seq_lens_cpu
         group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
         slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
         reserved = []
         for plan, fill in fills:
             lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
             if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
-                self._copy_fill(model_runner, forward_batch, plan, fill, rankings)
+                self.store.counters.canonical_skipped += 1
                 continue
             segment = self.store.reserve(
                 fill.key, fill.end - fill.start, fill.positions, rankings.get(fill.key)
@@ -124,13 +111,12 @@ class SegmentFiller:
         _, sizes = torch.unique_consecutive(ids, return_counts=True)
         rows = (slots >= 0).nonzero().flatten()
         backend = GroupLocalAttentionBackend(
-            model_runner.token_to_kv_pool, sizes.tolist(), rows, slots[rows]
+            ctx.model_runner.token_to_kv_pool, sizes.tolist(), rows, slots[rows]
         )
         keys = int((sizes * (sizes + 1) // 2).sum())
-        shape = DecoderShape.from_config(model_runner.model_config.hf_text_config)
-        self.counters.executed_flops += shape.flops(int(ids.numel()), keys, len(group))
+        self.counters.executed_flops += ctx.shape.flops(int(ids.numel()), keys, len(group))
         try:
-            run_pass(model_runner, forward_batch, active, embeddings, backend)
+            run_pass(ctx, active, backend=backend)
         except BaseException:
             for segment in reserved:
                 self.store.discard(segment.key)

@@ -42,7 +42,7 @@ class SegmentCopier:
         src, dst, delta = [], [], []
         for plan in plans:
             pool_row = forward_batch.req_pool_indices[plan.index : plan.index + 1]  # (1,)
-            holes = plan.hole_mask().nonzero().flatten() + plan.prefix_len
+            holes = plan.rows(plan.hole_mask())
             if holes.numel():
                 poison_slots(pool, table[pool_row, holes.to(table.device)])
             if not plan.spans:

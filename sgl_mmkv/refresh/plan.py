@@ -49,8 +49,10 @@ class ReuseSpan:
         return self._kept_in_window()[0]
 
     def source_slots(self) -> torch.Tensor:
-        """``(m,)`` int64 store slots of :meth:`reused_positions`, in the same order."""
-        return self.segment.slots[self._kept_in_window()[1].to(self.segment.slots.device)]
+        """``(m,)`` int64 store slots of :meth:`reused_positions`, in the same order, on
+        the slots' device (the host index moved there: no boolean mask on the device)."""
+        index = self._kept_in_window()[1].nonzero().flatten()
+        return self.segment.slots[index.to(self.segment.slots.device)]
 
     @property
     def num_reused(self) -> int:
@@ -69,7 +71,10 @@ class FillCandidate:
 
 @dataclass(slots=True)
 class RequestPlan:
-    """What the refresh executor does for request ``index`` of the batch."""
+    """What the refresh executor does for request ``index`` of the batch.
+
+    A plan is host metadata: its masks are host tensors built from host facts, moved
+    to the KV pool's device by whoever meets device tensors with them."""
 
     index: int
     prefix_len: int
@@ -81,10 +86,20 @@ class RequestPlan:
     # a compressed segment's dropped tokens are holes: neither computed nor attended
     holes: bool = False
 
+    @property
+    def extend_len(self) -> int:
+        """Tokens this extend computes or serves: row positions ``[prefix_len, seq_len)``."""
+        return self.seq_len - self.prefix_len
+
+    def rows(self, mask: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` int64 row positions of the extend tokens where ``mask``
+        ``(extend_len,)`` is True, on the mask's device."""
+        return mask.nonzero().flatten() + self.prefix_len
+
     def text_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True for the extend's non-image tokens."""
         if self.visual is None:
-            return torch.ones(self.seq_len - self.prefix_len, dtype=torch.bool)
+            return torch.ones(self.extend_len, dtype=torch.bool)
         return ~self.visual
 
     @property
@@ -94,7 +109,7 @@ class RequestPlan:
     def dropped_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: tokens of reused images whose segment was compressed
         without them (computed fresh, like text)."""
-        mask = torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
+        mask = torch.zeros(self.extend_len, dtype=torch.bool)
         for s in self.spans:
             mask[s.start - self.prefix_len : s.end - self.prefix_len] = True
         return mask & ~self.reused_mask()
@@ -102,7 +117,7 @@ class RequestPlan:
     def hole_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: the dropped tokens when this plan has holes, else none."""
         if not self.holes:
-            return torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
+            return torch.zeros(self.extend_len, dtype=torch.bool)
         return self.dropped_mask()
 
     def fresh_mask(self) -> torch.Tensor:
@@ -111,7 +126,7 @@ class RequestPlan:
 
     def reused_mask(self) -> torch.Tensor:
         """``(extend_len,)`` bool: True where the extend token comes from a segment."""
-        mask = torch.zeros(self.seq_len - self.prefix_len, dtype=torch.bool)
+        mask = torch.zeros(self.extend_len, dtype=torch.bool)
         for s in self.spans:
             mask[s.reused_positions() - self.prefix_len] = True
         return mask

@@ -115,8 +115,8 @@ class VisualRanker:
         None for a whole row."""
         if self._projector is None:
             self._projector = QueryProjector(model_runner.model)
-        pass_rows = active if active is not None else torch.ones(plan.seq_len - plan.prefix_len)
-        positions = pass_rows.bool().nonzero().flatten() + plan.prefix_len
+        pass_rows = active if active is not None else torch.ones(plan.extend_len, dtype=torch.bool)
+        positions = plan.rows(pass_rows.bool())
         query_positions = positions[observer.rows[plan.index]]  # host, moved by ScoringInputs
         per_layer = observer.queries[plan.index]
         layers = sorted(per_layer)

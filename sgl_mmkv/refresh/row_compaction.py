@@ -139,7 +139,7 @@ class RowCompactor:
     def plan_holes(self, forward_batch, plans: list[RequestPlan]) -> None:
         """Remember the holes of every request of this extend that has some."""
         for plan in plans:
-            holes = plan.hole_mask().nonzero().flatten() + plan.prefix_len
+            holes = plan.rows(plan.hole_mask())
             if holes.numel():
                 self._plan_row(forward_batch, plan, holes=holes)
 
