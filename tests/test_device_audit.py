@@ -35,6 +35,7 @@ the pool's tensors stays on their device.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -417,12 +418,12 @@ def reuse_plan(holes: bool = True) -> RequestPlan:
         kept=torch.tensor([0, 2, 3, 5]),
     )
     spans = [ReuseSpan(6, 14, whole, 6), ReuseSpan(18, 24, compressed, 18)]
-    plan = RequestPlan(1, PREFIX, SEQ, spans, holes=holes)
-    plan.visual = torch.zeros(SEQ - PREFIX, dtype=torch.bool)
-    plan.visual[6 - PREFIX : 14 - PREFIX] = plan.visual[18 - PREFIX : 24 - PREFIX] = True
-    plan.images = [(6, 14), (18, 24)]
-    plan.fills = [FillCandidate(("c", 4), 25, 29, torch.arange(25, 29)[None])]
-    return plan
+    visual = torch.zeros(SEQ - PREFIX, dtype=torch.bool)
+    visual[6 - PREFIX : 14 - PREFIX] = visual[18 - PREFIX : 24 - PREFIX] = True
+    fills = (FillCandidate(("c", 4), 25, 29, torch.arange(25, 29)[None]),)
+    return RequestPlan(
+        1, PREFIX, SEQ, tuple(spans), fills, visual, ((6, 14), (18, 24)), holes=holes
+    )
 
 
 def on_device_segments(plan: RequestPlan) -> RequestPlan:
@@ -749,8 +750,7 @@ class Allocator:
 def _compact(device: bool) -> tuple[torch.Tensor, list[int], list[int]]:
     """Row 2 (request 1) shrinks by its holes and a decode-time drop ranked on the pool's
     device; returns the row, the freed slots and the new seq_lens."""
-    plan = reuse_plan()
-    plan.images = [(6, 14)]
+    plan = replace(reuse_plan(), images=((6, 14),))
     g = torch.Generator().manual_seed(1)
     ranked = {1: {(6, 14): torch.rand(8, generator=g)}}
     req = SimpleNamespace(

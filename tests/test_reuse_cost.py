@@ -23,8 +23,8 @@ SHAPE = DecoderShape(
 
 
 def _plan(prefix: int, seq_len: int, spans: list[tuple[int, int]], kept=None) -> RequestPlan:
-    plan = RequestPlan(0, prefix, seq_len)
-    plan.visual = torch.zeros(seq_len - prefix, dtype=torch.bool)
+    visual = torch.zeros(seq_len - prefix, dtype=torch.bool)
+    reused = []
     for start, end in spans:
         n = end - start
         keep = None if kept is None else torch.arange(0, n, 2)
@@ -34,9 +34,9 @@ def _plan(prefix: int, seq_len: int, spans: list[tuple[int, int]], kept=None) ->
             positions=torch.arange(n)[None],
             kept=keep,
         )
-        plan.spans.append(ReuseSpan(start, end, segment, delta=0))
-        plan.visual[start - prefix : end - prefix] = True
-    return plan
+        reused.append(ReuseSpan(start, end, segment, delta=0))
+        visual[start - prefix : end - prefix] = True
+    return RequestPlan(0, prefix, seq_len, tuple(reused), visual=visual)
 
 
 def test_unchanged_prefix_ends_at_the_first_refreshed_token():

@@ -159,7 +159,13 @@ def test_requests_that_finish_in_prefill_chunk_or_sit_in_a_session_keep_their_ro
 def _holed_plan(index: int, holes: list[int]):
     mask = torch.zeros(PROMPT, dtype=torch.bool)
     mask[holes] = True
-    return SimpleNamespace(index=index, prefix_len=0, seq_len=PROMPT, hole_mask=lambda: mask)
+    return SimpleNamespace(
+        index=index,
+        prefix_len=0,
+        seq_len=PROMPT,
+        hole_mask=lambda: mask,
+        rows=lambda m: m.nonzero().flatten(),
+    )
 
 
 def _batch(reqs):

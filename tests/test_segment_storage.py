@@ -306,7 +306,7 @@ def test_a_load_that_evicts_a_segment_planned_earlier_in_the_batch_drops_that_sp
         extend_seq_lens_cpu=[12, 12],
     )
     plans = plan_batch(b, batch)
-    assert plans[0].spans == [] and plans[0].reused_tokens == 0
+    assert plans[0].spans == () and plans[0].reused_tokens == 0
     assert [(s.start, s.end, s.delta) for s in plans[1].spans] == [(3, 7, 0)]
     assert b.counters.evictions == 1 and b.counters.loaded == 1
     assert b.storage.counters.hits == 1

@@ -150,7 +150,7 @@ def test_plan_leaves_prefix_and_partial_images_alone(store):
     store.fill(_key(11, 4), store.allocator.alloc(4), mrope[:, 3:7])
     # Image A inside the exact-prefix match: stock reuse; image B past this chunk.
     plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope), 8, 2)
-    assert plan.spans == [] and plan.fills == []
+    assert plan.spans == () and plan.fills == ()
 
 
 def test_an_image_cut_by_a_chunk_boundary_is_reused_part_by_part(store):
@@ -166,7 +166,7 @@ def test_an_image_cut_by_a_chunk_boundary_is_reused_part_by_part(store):
     assert torch.equal(torch.cat([a.source_slots(), b.source_slots()]), segment.slots)
     assert first.reused_mask().tolist() == [False] * 8 + [True] * 2
     assert second.reused_mask().tolist() == [True, True, False, False]
-    assert first.fills == [] and second.fills == [] and first.images == second.images == []
+    assert first.fills == () and second.fills == () and first.images == second.images == ()
     # a compressed segment: each part serves only its kept tokens
     segment.kept, segment.slots = torch.tensor([1, 2]), segment.slots[[1, 2]]
     (a,), (b,) = (
@@ -252,16 +252,16 @@ def test_plans_look_up_and_fill_in_their_own_namespace_only(store):
     store.fill(_key(11, 4, tenant_a), store.allocator.alloc(4), mrope[:, 3:7])
     items = [_item(11, 3, 6)]
     same = plan_request(store, 0, _mm(items, mrope, tenant_a), 2, 12)
-    assert len(same.spans) == 1 and same.fills == []  # the paired hit
+    assert len(same.spans) == 1 and same.fills == ()  # the paired hit
     other = plan_request(store, 0, _mm(items, mrope, tenant_b), 2, 12)
-    assert other.spans == [] and [f.key for f in other.fills] == [_key(11, 4, tenant_b)]
+    assert other.spans == () and [f.key for f in other.fills] == [_key(11, 4, tenant_b)]
     shared = plan_request(store, 0, _mm(items, mrope, SHARED), 2, 12)
-    assert shared.spans == [] and [f.key for f in shared.fills] == [_key(11, 4)]
+    assert shared.spans == () and [f.key for f in shared.fills] == [_key(11, 4)]
 
 
 def test_an_untagged_request_reuses_and_fills_nothing(store):
     mrope = torch.arange(14).repeat(3, 1)
     store.fill(_key(11, 4), store.allocator.alloc(4), mrope[:, 3:7])
     plan = plan_request(store, 0, _mm([_item(11, 3, 6), _item(22, 8, 11)], mrope, None), 2, 12)
-    assert plan.spans == [] and plan.fills == []
-    assert plan.images == [(3, 7), (8, 12)]  # still known as images of the extend
+    assert plan.spans == () and plan.fills == ()
+    assert plan.images == ((3, 7), (8, 12))  # still known as images of the extend

@@ -12,7 +12,7 @@ extend and not yet stored are :class:`FillCandidate` s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,20 +69,22 @@ class FillCandidate:
     positions: torch.Tensor
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestPlan:
     """What the refresh executor does for request ``index`` of the batch.
 
-    A plan is host metadata: its masks are host tensors built from host facts, moved
-    to the KV pool's device by whoever meets device tensors with them."""
+    Frozen: planning (``planning.py``) finishes a plan by making a new one
+    (``dataclasses.replace``). A plan is host metadata: its masks are host tensors
+    built from host facts, moved to the KV pool's device by whoever meets device
+    tensors with them."""
 
     index: int
     prefix_len: int
     seq_len: int
-    spans: list[ReuseSpan] = field(default_factory=list)
-    fills: list[FillCandidate] = field(default_factory=list)
+    spans: tuple[ReuseSpan, ...] = ()
+    fills: tuple[FillCandidate, ...] = ()
     visual: torch.Tensor | None = None  # (extend_len,) bool: image tokens of the extend
-    images: list[tuple[int, int]] = field(default_factory=list)  # images wholly in the extend
+    images: tuple[tuple[int, int], ...] = ()  # images wholly in the extend
     # a compressed segment's dropped tokens are holes: neither computed nor attended
     holes: bool = False
 
@@ -171,8 +173,8 @@ def plan_request(
     """The reuse plan of one request of an extend batch: its images are looked up and
     filled in the request's own namespace only (none if its inputs were never tagged)."""
     seq_len = prefix_len + extend_len
-    plan = RequestPlan(index, prefix_len, seq_len)
-    plan.visual = torch.zeros(extend_len, dtype=torch.bool)
+    visual = torch.zeros(extend_len, dtype=torch.bool)
+    spans, fills, images = [], [], []
     namespace = read_namespace(mm_inputs)
     for item in getattr(mm_inputs, "mm_items", None) or []:
         span = item_span(item)
@@ -184,10 +186,10 @@ def plan_request(
             continue  # in a later chunk
         in_extend = lo < hi
         if in_extend:
-            plan.visual[lo - prefix_len : hi - prefix_len] = True
+            visual[lo - prefix_len : hi - prefix_len] = True
         whole = (lo, hi) == (start, end)
         if whole:
-            plan.images.append((start, end))
+            images.append((start, end))
         if namespace is UNTAGGED:
             continue
         key = item_key(item, namespace, end - start)
@@ -197,11 +199,13 @@ def plan_request(
             if segment is not None and segment.alive:
                 delta = constant_delta(positions, segment.positions)
                 if delta is not None:
-                    plan.spans.append(ReuseSpan(lo, hi, segment, delta, -1 if whole else start))
+                    spans.append(ReuseSpan(lo, hi, segment, delta, -1 if whole else start))
                     continue
         if end <= seq_len and key not in store:
-            plan.fills.append(FillCandidate(key, start, end, positions))
-    return plan
+            fills.append(FillCandidate(key, start, end, positions))
+    return RequestPlan(
+        index, prefix_len, seq_len, tuple(spans), tuple(fills), visual, tuple(images)
+    )
 
 
 def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
@@ -215,6 +219,4 @@ def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
     ]
     # A later request's lookup may load a segment from L3 storage and evict one an
     # earlier plan holds; those tokens are computed fresh instead.
-    for plan in plans:
-        plan.spans = [s for s in plan.spans if s.segment.alive]
-    return plans
+    return [replace(p, spans=tuple(s for s in p.spans if s.segment.alive)) for p in plans]

@@ -94,12 +94,12 @@ class ExtendPlanner:
         if not plan.spans:
             return plan
         if every_row or needs_every_row(forward_batch, plan.index):
-            return replace(plan, spans=[])
+            return replace(plan, spans=())
         if self._holes_allowed(forward_batch, plan):
             plan = replace(plan, holes=True)
         if self.gate == "cost" and self._too_costly(plan):
             self.counters.declined_reuses += 1
-            return replace(plan, spans=[], holes=False)
+            return replace(plan, spans=(), holes=False)
         return plan
 
     def _holes_allowed(self, forward_batch, plan: RequestPlan) -> bool:
