@@ -1,4 +1,5 @@
-"""Scattered-query attention and the scoring reduction: Triton kernels vs torch references."""
+"""One-row scattered-query attention (SDPA) and the scoring reduction (Triton) against
+the torch references; the batched refresh attention is in test_refresh_attention.py."""
 
 from __future__ import annotations
 
@@ -35,30 +36,16 @@ def _case(n_q, h_q, h_kv, d, n, dtype, seed=0):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("n_q, h_q, h_kv, d, n", SHAPES)
-def test_scattered_attention_kernel_matches_reference(n_q, h_q, h_kv, d, n, dtype):
-    from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
-
-    q, k, v, slots, pos = _case(n_q, h_q, h_kv, d, n, dtype)
-    want = scattered_attention_reference(q, k, v, slots, pos)
-    got = scattered_attention_triton(q, k, v, slots, pos)
-    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
-
-
-@needs_triton
-def test_the_triton_kernels_run_only_when_asked(monkeypatch):
-    """Default: SDPA and the torch reduction (faster on an H200); the env var
-    switches both to Triton."""
+def test_the_attention_mass_kernel_runs_only_when_asked(monkeypatch):
+    """Default: the torch reduction (faster on an H200); the env var switches the
+    scorers' attention mass to Triton."""
     from sgl_mmkv.kernels import scattered_attention as module
-    from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
 
-    q, k, v, slots, pos = _case(7, 4, 2, 16, 40, torch.float32)
-    monkeypatch.setattr(module, "scattered_attention_sdpa", lambda *a, **kw: "sdpa")
-    assert scattered_attention(q, k, v, slots, pos) == "sdpa"
+    q = torch.randn(3, 2, 8, device=DEVICE)
+    monkeypatch.delenv(module.TRITON_ATTENTION_ENV, raising=False)
+    assert not module.use_triton_attention(q)
     monkeypatch.setenv(module.TRITON_ATTENTION_ENV, "1")
-    got = scattered_attention(q, k, v, slots, pos)
-    torch.testing.assert_close(got, scattered_attention_triton(q, k, v, slots, pos))
+    assert module.use_triton_attention(q)
 
 
 @pytest.mark.parametrize("chunk_elements", [1, 1000, 1 << 27])

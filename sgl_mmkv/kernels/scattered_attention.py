@@ -1,21 +1,24 @@
-"""Attention for queries at scattered row positions over a paged row.
+"""Attention for queries at scattered row positions over one paged row (SDPA).
 
 A refresh forward recomputes only some rows of a request (all text and the
 selected image tokens). Their queries sit at arbitrary positions of the row and
 attend causally *by position* over the whole row, whose KV lives in pool slots
 ``row_slots`` (fresh KV for refreshed rows, re-positioned stale KV for the rest).
 
-``scattered_attention`` runs ``scattered_attention_sdpa`` on every device; the
-Triton kernel (one program per query and head, no tensor cores) runs only with
-``SGL_MMKV_TRITON_ATTENTION=1``: on an H200 it measured 9x slower than masked SDPA
-at 2k-token rows and 72x at 8k (``benchmarks/gpu_kernels.py``). A whole row (first
-prefill, or a refresh at budget 1.0 with nothing cached) runs one causal
-``scaled_dot_product_attention``; any other query set, a contiguous suffix (a
-request without reuse after a cached prefix) included, runs one SDPA of only
+This is the one-row SDPA path; the batched refresh attention
+(:mod:`sgl_mmkv.kernels.refresh_attention`) runs it per request on the CPU. A
+whole row (first prefill, or a refresh at budget 1.0 with nothing cached) runs one
+causal ``scaled_dot_product_attention``; any other query set, a contiguous suffix
+(a request without reuse after a cached prefix) included, runs one SDPA of only
 those queries with an ``(n_q, n)`` causal-by-position mask: ``n_q * n`` work, as
 stock's GPU backends do, where placing the queries in a full-length block would
 cost ``n * n`` (on 2 CPU cores, 16 new tokens after a 16k-token row: 15 ms
 against 2.8 s).
+
+``SGL_MMKV_TRITON_ATTENTION=1`` (:func:`use_triton_attention`) switches the
+scorers' attention-mass reduction to its Triton kernel
+(``scattered_attention_triton.py``); it measured 2.5-4x slower than the torch
+reduction on an H200, so it is off by default.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ TRITON_ATTENTION_ENV = "SGL_MMKV_TRITON_ATTENTION"
 
 
 def use_triton_attention(tensor: torch.Tensor) -> bool:
-    """Whether the attention Triton kernels are asked for (and can run) here."""
+    """Whether the attention-mass Triton kernel is asked for (and can run) here."""
     triton_runs = tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     return triton_runs and os.environ.get(TRITON_ATTENTION_ENV) == "1"
 
@@ -40,9 +43,11 @@ def scattered_attention_sdpa(
     row_slots: torch.Tensor,
     query_positions: torch.Tensor,
     sm_scale: float | None = None,
+    whole_row: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`~sgl_mmkv.kernels.reference.scattered_attention_reference`,
-    through SDPA."""
+    through SDPA. ``whole_row``: whether the queries are the whole row in order,
+    when the caller knows (None: compared here, one host read)."""
     n_q, h_q, d = q.shape
     n = row_slots.numel()
     gqa = h_q != k_buffer.shape[1]
@@ -50,7 +55,9 @@ def scattered_attention_sdpa(
     v = v_buffer[row_slots].transpose(0, 1).to(q.dtype)[None]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     positions = query_positions.to(row_slots.device)
-    if n_q == n and torch.equal(positions, torch.arange(n, device=positions.device)):
+    if whole_row is None:
+        whole_row = n_q == n and torch.equal(positions, torch.arange(n, device=positions.device))
+    if whole_row:
         out = sdpa(q.transpose(0, 1)[None], k, v, is_causal=True, scale=sm_scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
     visible = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]
@@ -73,13 +80,10 @@ def scattered_attention(
     query_positions: torch.Tensor,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`~sgl_mmkv.kernels.reference.scattered_attention_reference`."""
+    """Same contract as :func:`~sgl_mmkv.kernels.reference.scattered_attention_reference`,
+    checked, through SDPA."""
     if q.shape[1] % k_buffer.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_buffer.shape[1]}")
     if int(query_positions.max()) >= row_slots.numel() or int(query_positions.min()) < 0:
         raise ValueError("a query position lies outside the row")
-    if not use_triton_attention(q):
-        return scattered_attention_sdpa(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)
-    from sgl_mmkv.kernels.scattered_attention_triton import scattered_attention_triton
-
-    return scattered_attention_triton(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)
+    return scattered_attention_sdpa(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)

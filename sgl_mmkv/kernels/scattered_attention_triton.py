@@ -1,9 +1,9 @@
-"""Triton kernels over a paged row with queries at scattered positions.
+"""Triton kernel over a paged row with queries at scattered positions.
 
-``_scattered_attention_kernel``: one program per (query, head), online softmax over
-key blocks, causal by position without a materialised mask.
 ``_attention_mass_kernel``: CONDUIT's scoring reduction, the mean softmax mass
-each row position receives (two passes: softmax statistics, then atomic sums).
+each row position receives (one program per (query, head); two passes: softmax
+statistics, then atomic sums). The refresh pass's attention itself is the tiled
+kernel of ``refresh_attention_triton.py``.
 """
 
 from __future__ import annotations
@@ -41,73 +41,6 @@ def _block_scores(
     ).to(tl.float32)
     s = tl.where(visible, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))
     return s, slot, visible, j
-
-
-@triton.jit
-def _scattered_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    qpos_ptr,
-    slots_ptr,
-    n_keys,
-    head_dim,
-    stride_qn,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    stride_on,
-    stride_oh,
-    sm_scale,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_head = h // GROUP
-    pos = tl.load(qpos_ptr + i)
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < head_dim
-    q = tl.load(q_ptr + i * stride_qn + h * stride_qh + dims, mask=dmask, other=0.0).to(tl.float32)
-
-    m = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
-    denom = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, n_keys, BLOCK_N):
-        s, slot, visible, _ = _block_scores(
-            q,
-            k_ptr,
-            slots_ptr,
-            start,
-            n_keys,
-            pos,
-            kv_head,
-            stride_ks,
-            stride_kh,
-            sm_scale,
-            dims,
-            dmask,
-            BLOCK_N,
-        )
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        rescale = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-            mask=visible[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        denom = denom * rescale + tl.sum(p, axis=0)
-        acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    out = acc / denom
-    tl.store(
-        o_ptr + i * stride_on + h * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=dmask
-    )
 
 
 @triton.jit
@@ -183,42 +116,6 @@ def _common(q: torch.Tensor, k_buffer: torch.Tensor, sm_scale: float | None):
     group = h_q // k_buffer.shape[1]
     scale = sm_scale if sm_scale is not None else d**-0.5
     return n_q, h_q, d, group, scale
-
-
-def scattered_attention_triton(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    row_slots: torch.Tensor,
-    query_positions: torch.Tensor,
-    sm_scale: float | None = None,
-    block_n: int = 32,
-) -> torch.Tensor:
-    n_q, h_q, d, group, scale = _common(q, k_buffer, sm_scale)
-    out = torch.empty_like(q)
-    _scattered_attention_kernel[(n_q, h_q)](
-        q,
-        k_buffer,
-        v_buffer,
-        out,
-        query_positions,
-        row_slots,
-        row_slots.numel(),
-        d,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        out.stride(0),
-        out.stride(1),
-        scale,
-        GROUP=group,
-        BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d),
-    )
-    return out
 
 
 def attention_mass_triton(

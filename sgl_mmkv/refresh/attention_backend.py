@@ -1,4 +1,4 @@
-"""The attention backend of refresh passes: queries at scattered row positions.
+"""The attention backends of refresh passes: queries at scattered row positions.
 
 A refresh pass runs the model's own layers on the *active* tokens of each request
 (text and the selected image tokens); the other image tokens keep the rotated
@@ -8,8 +8,14 @@ row ``req_to_token[i, :seq_len]``. Ordinary requests in the same batch are the
 special case ``positions = arange(prefix_len, seq_len)``.
 
 The backend is installed for one pass through SGLang's ``forward_context``; the
-stock backend stays the server's backend for everything else. With a
-:class:`QueryCapture` it also keeps the queries a scorer needs, per layer.
+stock backend stays the server's backend for everything else. SGLang plans only
+its own backend (``model_runner.attn_backend.init_forward_metadata``), never the
+one in the context, so :class:`RefreshAttentionBackend` plans itself: once per
+pass, on the first layer (or when :meth:`~RefreshAttentionBackend.init_forward_metadata`
+is called before the forward), into a :class:`RefreshPassPlan`; every layer then
+runs one batched :func:`~sgl_mmkv.kernels.refresh_attention.refresh_attention`
+launch with no host read of a tensor. With a :class:`QueryCapture` it also keeps
+the queries a scorer needs, per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_mmkv.kernels.scattered_attention import scattered_attention
+from sgl_mmkv.kernels.refresh_attention import (
+    RefreshAttentionPlan,
+    plan_refresh_attention,
+    refresh_attention,
+)
 from sgl_mmkv.refresh.row_view import RowView
 
 
@@ -35,13 +45,23 @@ class QueryCapture:
     queries: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RefreshPassPlan:
+    """One pass's metadata: the attention plan, and per captured request the
+    ``(k,)`` int64 packed query rows to keep (on the queries' device)."""
+
+    attention: RefreshAttentionPlan
+    captures: dict[int, torch.Tensor]
+
+
 class RefreshAttentionBackend(AttentionBackend):
     """Extend attention over each request's whole row, causal by row position.
 
     Args:
         req_to_token_pool, token_to_kv_pool: SGLang's pools.
         query_positions: per request of the pass, ``(n_i,)`` int64 row positions of
-            its active tokens, in the order they appear in the batch.
+            its active tokens, in the order they appear in the batch (host tensors
+            are read without a device sync).
         capture: optional queries to keep for scoring.
         views: optional, per request, the :class:`RowView` of a row with holes
             (None: the whole row holds KV); its holes are never attended.
@@ -61,43 +81,69 @@ class RefreshAttentionBackend(AttentionBackend):
         self.query_positions = query_positions
         self.capture = capture
         self.views = views or [None] * len(query_positions)
+        self.plan: RefreshPassPlan | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
-        """Nothing to plan: every request's row is read through ``req_to_token``."""
+        """Plan the pass: each request's compacted row gathered from ``req_to_token``
+        (``kv_indices``), its queries' positions in it, the kernel's block table.
+
+        Reads ``seq_lens_cpu`` and the host query positions; the gathers run on the
+        device. SGLang does not call this for a backend in the ``forward_context``:
+        the first :meth:`forward_extend` does, unless the caller did before.
+        """
+        seq_lens = forward_batch.seq_lens_cpu
+        if seq_lens is None:
+            seq_lens = forward_batch.seq_lens.cpu()
+        req_to_token = self.req_to_token_pool.req_to_token
+        device = req_to_token.device
+        positions, kv_lens, key_req, key_pos = [], [], [], []
+        for i, pos in enumerate(self.query_positions):
+            pos = pos.cpu()
+            if pos.numel() == 0:
+                positions.append(pos)
+                kv_lens.append(0)
+                continue
+            view = self.views[i]
+            if view is None:
+                kept = torch.arange(int(seq_lens[i]))
+            else:
+                kept, pos = view.kept, view.compact(pos)
+            positions.append(pos)
+            kv_lens.append(kept.numel())
+            key_req.append(torch.full((kept.numel(),), i, dtype=torch.long))
+            key_pos.append(kept)
+        if key_pos:
+            pool_rows = forward_batch.req_pool_indices[torch.cat(key_req).to(device)]
+            kv_indices = req_to_token[pool_rows, torch.cat(key_pos).to(device)]
+        else:
+            kv_indices = torch.empty(0, dtype=torch.int64, device=device)
+        attention = plan_refresh_attention(positions, kv_indices, kv_lens)
+        captures = {}
+        if self.capture is not None:
+            for i, rows in self.capture.rows.items():
+                packed = rows.to(torch.long).cpu() + attention.q_indptr[i]
+                captures[i] = packed.to(forward_batch.out_cache_loc.device)
+        self.plan = RefreshPassPlan(attention, captures)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kw):
+        """``q``: ``(N_q, H_q * d)`` the pass's queries; returns ``(N_q, H_q * d_v)``."""
+        if self.plan is None:
+            self.init_forward_metadata(forward_batch)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
             )
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        out_ = out.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        seq_lens = forward_batch.seq_lens_cpu
-        if seq_lens is None:
-            seq_lens = forward_batch.seq_lens.cpu()
-        start = 0
-        for i, positions in enumerate(self.query_positions):
-            n = positions.numel()
-            if n == 0:
-                continue
-            seq_len = int(seq_lens[i])
-            row = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
-            view = self.views[i]
-            if view is not None:
-                row, positions = row[view.kept.to(row.device)], view.compact(positions)
-            q_i = q_[start : start + n]
-            out_[start : start + n] = scattered_attention(
-                q_i, k_buffer, v_buffer, row, positions.to(q.device), layer.scaling
-            )
-            if self.capture is not None and i in self.capture.rows:
-                per_layer = self.capture.queries.setdefault(i, {})
-                per_layer[layer.layer_id] = q_i[self.capture.rows[i]].detach().clone()
-            start += n
-        return out
+        out = refresh_attention(
+            q_,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.plan.attention,
+            layer.scaling,
+        )
+        for i, rows in self.plan.captures.items():
+            self.capture.queries.setdefault(i, {})[layer.layer_id] = q_[rows].detach()
+        return out.view(q_.shape[0], -1)
 
     def forward_decode(self, *args, **kwargs):
         raise RuntimeError("RefreshAttentionBackend serves extend passes only")

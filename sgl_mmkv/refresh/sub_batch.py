@@ -33,13 +33,22 @@ def needs_every_row(forward_batch, i: int) -> bool:
     return forward_batch.extend_seq_lens_cpu[i] - starts[i] > 1
 
 
-def active_sub_batch(forward_batch, active_masks: list[torch.Tensor]):
+def active_sub_batch(
+    forward_batch, active_masks: list[torch.Tensor], *, stock_attention: bool = False
+):
     """Shallow copy of ``forward_batch`` with only the active tokens as queries.
 
     Returns ``(sub_batch, index)``; ``index`` as :func:`active_token_index`.
     A request's logprob window is clipped to its active rows, so the logits
     processor always gets a valid window; a pass whose output is returned keeps
     every row of the requests that :func:`needs_every_row`.
+
+    The sub-batch runs under an attention backend of ours in the
+    ``forward_context`` (:mod:`sgl_mmkv.refresh.attention_backend`), which plans for
+    itself. So it is marked planned: SGLang's eager extend then skips
+    ``model_runner.attn_backend.init_forward_metadata``, a stock plan of the
+    sub-batch that nothing would read. ``stock_attention=True`` leaves it unplanned
+    for a pass that runs under the stock backend.
     """
     index = active_token_index(forward_batch, active_masks)
     sub = copy.copy(forward_batch)
@@ -67,4 +76,6 @@ def active_sub_batch(forward_batch, active_masks: list[torch.Tensor]):
         ]
     sub.input_embeds = None
     sub.forward_metadata_ready = False
+    if not stock_attention:
+        sub.mark_forward_metadata_ready()
     return sub, index

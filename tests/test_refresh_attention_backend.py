@@ -1,0 +1,213 @@
+"""RefreshAttentionBackend: one plan per pass, the whole batch per layer, no host sync.
+
+The backend runs over SGLang-shaped pools (``req_to_token``, per-layer K/V buffers)
+and is compared with the per-request loop it replaced: each request's row read
+from ``req_to_token`` (without its holes), its queries at their row positions.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("sglang")
+
+from sgl_mmkv.kernels import refresh_attention as kernels  # noqa: E402
+from sgl_mmkv.kernels.reference import scattered_attention_reference  # noqa: E402
+from sgl_mmkv.refresh.attention_backend import (  # noqa: E402
+    QueryCapture,
+    RefreshAttentionBackend,
+)
+from sgl_mmkv.refresh.row_view import RowView  # noqa: E402
+from sgl_mmkv.refresh.sub_batch import active_sub_batch  # noqa: E402
+
+TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+H_Q, H_KV, D, LAYERS = 4, 2, 16, 2
+SEQ_LENS = [30, 9, 45]  # request rows
+PREFIX = [10, 0, 20]  # request 2's row has holes after its prefix
+HOLES = [23, 24, 31]  # row positions of request 2 without KV
+SYNCS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "nonzero", "masked_select"}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op that reads a tensor value on the host (a device sync on CUDA)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in SYNCS:
+            raise AssertionError(f"host sync: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+class Pool:
+    """``token_to_kv_pool``: per-layer ``(slots, H_kv, D)`` K and V."""
+
+    def __init__(self, slots: int, g: torch.Generator) -> None:
+        self.k = [torch.randn(slots, H_KV, D, generator=g) for _ in range(LAYERS)]
+        self.v = [torch.randn(slots, H_KV, D, generator=g) for _ in range(LAYERS)]
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[layer.layer_id][loc.loc] = k.view(-1, H_KV, D)
+        self.v[layer.layer_id][loc.loc] = v.view(-1, H_KV, D)
+
+    def get_key_buffer(self, layer_id):
+        return self.k[layer_id]
+
+    def get_value_buffer(self, layer_id):
+        return self.v[layer_id]
+
+
+def _view(i: int) -> RowView | None:
+    if i != 2:
+        return None
+    mask = torch.zeros(SEQ_LENS[i] - PREFIX[i], dtype=torch.bool)
+    mask[torch.tensor(HOLES) - PREFIX[i]] = True
+    plan = SimpleNamespace(prefix_len=PREFIX[i], seq_len=SEQ_LENS[i], hole_mask=lambda: mask)
+    return RowView.of(plan)
+
+
+def _pass(seed: int = 0):
+    """Three requests in pool rows 5, 1, 3: active queries at scattered positions
+    (request 1: its whole row), fresh K/V for them, NaN in the holes' slots."""
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(256, g)
+    req_to_token = torch.zeros(8, 64, dtype=torch.int32)
+    slots = torch.randperm(256, generator=g)
+    start = 0
+    pool_rows = [5, 1, 3]
+    for row, n in zip(pool_rows, SEQ_LENS, strict=True):
+        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+        start += n
+    for layer in range(LAYERS):
+        holes = req_to_token[3, HOLES].long()
+        pool.k[layer][holes] = float("nan")
+        pool.v[layer][holes] = float("nan")
+    positions = [
+        torch.tensor([10, 14, 15, 29]),
+        torch.arange(9),
+        torch.tensor([20, 21, 22, 25, 40, 44]),
+    ]
+    out_cache_loc = torch.cat(
+        [req_to_token[r, p].long() for r, p in zip(pool_rows, positions, strict=True)]
+    )
+    batch = SimpleNamespace(
+        seq_lens_cpu=torch.tensor(SEQ_LENS),
+        seq_lens=torch.tensor(SEQ_LENS),
+        req_pool_indices=torch.tensor(pool_rows),
+        out_cache_loc=out_cache_loc,
+    )
+    n_q = out_cache_loc.numel()
+    qkv = [
+        [torch.randn(n_q, heads * D, generator=g) for heads in (H_Q, H_KV, H_KV)]
+        for _ in range(LAYERS)
+    ]
+    layers = [
+        SimpleNamespace(
+            layer_id=i,
+            tp_q_head_num=H_Q,
+            tp_k_head_num=H_KV,
+            qk_head_dim=D,
+            v_head_dim=D,
+            scaling=D**-0.5,
+        )
+        for i in range(LAYERS)
+    ]
+    req_pool = SimpleNamespace(req_to_token=req_to_token)
+    return pool, req_pool, batch, positions, qkv, layers
+
+
+def _per_request(pool, req_pool, batch, positions, q, layer):
+    """The loop the backend replaced: request by request over its row."""
+    q_ = q.view(-1, H_Q, D)
+    out, start = [], 0
+    for i, pos in enumerate(positions):
+        row = req_pool.req_to_token[batch.req_pool_indices[i], : SEQ_LENS[i]].long()
+        view = _view(i)
+        if view is not None:
+            row, pos = row[view.kept], view.compact(pos)
+        q_i = q_[start : start + pos.numel()]
+        k, v = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        out.append(scattered_attention_reference(q_i, k, v, row, pos, layer.scaling))
+        start += pos.numel()
+    return torch.cat(out).view(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_backend_equals_the_per_request_loop_with_holes_gqa_and_capture(kernel, monkeypatch):
+    if kernel == "triton" and not TRITON_RUNS:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv(kernels.KERNEL_ENV, kernel)
+    pool, req_pool, batch, positions, qkv, layers = _pass()
+    capture = QueryCapture({0: torch.tensor([1, 3]), 2: torch.tensor([0, 5])})
+    views = [_view(i) for i in range(3)]
+    backend = RefreshAttentionBackend(req_pool, pool, positions, capture, views)
+    for layer, (q, k, v) in zip(layers, qkv, strict=True):
+        got = backend.forward_extend(q, k, v, layer, batch)
+        want = _per_request(pool, req_pool, batch, positions, q, layer)
+        assert torch.isfinite(got).all()  # the holes' NaN was never read
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        q_ = q.view(-1, H_Q, D)
+        assert torch.equal(capture.queries[0][layer.layer_id], q_[[1, 3]])
+        assert torch.equal(capture.queries[2][layer.layer_id], q_[[13, 18]])  # 4 + 9 before
+    assert backend.plan.attention.kernel == kernel
+    assert backend.plan.attention.kv_indptr == [0, 30, 39, 39 + 45 - len(HOLES)]
+
+
+def test_the_plan_is_made_once_per_pass():
+    pool, req_pool, batch, positions, qkv, layers = _pass(seed=1)
+    backend = RefreshAttentionBackend(req_pool, pool, positions, None, None)
+    plans = []
+    for layer, (q, k, v) in zip(layers, qkv, strict=True):
+        backend.forward_extend(q, k, v, layer, batch)
+        plans.append(backend.plan)
+    assert plans[0] is plans[1]
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_forward_extend_reads_no_tensor_on_the_host(kernel, monkeypatch):
+    """With the plan made before the layers, a layer does no ``.item()``,
+    ``torch.equal``, ``nonzero``...: nothing that syncs the device on CUDA."""
+    if kernel == "triton" and not TRITON_RUNS:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv(kernels.KERNEL_ENV, kernel)
+    pool, req_pool, batch, positions, qkv, layers = _pass(seed=2)
+    capture = QueryCapture({1: torch.tensor([0, 8])})
+    backend = RefreshAttentionBackend(
+        req_pool, pool, positions, capture, [_view(i) for i in range(3)]
+    )
+    backend.init_forward_metadata(batch)
+    with NoHostSync():
+        for layer, (q, k, v) in zip(layers, qkv, strict=True):
+            backend.forward_extend(q, k, v, layer, batch)
+    assert sorted(capture.queries[1]) == [0, 1]
+    with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+        int(torch.tensor([3]).sum())  # the guard itself catches a sync
+
+
+def test_sub_batches_are_marked_planned_for_our_backends():
+    """The stock backend would re-plan a sub-batch (``EagerRunner._execute_extend``
+    checks ``needs_forward_metadata_init``) for a pass whose attention is ours."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=2,
+        input_ids=torch.arange(7),
+        req_pool_indices=torch.tensor([0, 1]),
+        seq_lens=torch.tensor([4, 3]),
+        out_cache_loc=torch.arange(7),
+        seq_lens_sum=7,
+        positions=torch.arange(7),
+        extend_seq_lens=torch.tensor([4, 3]),
+        extend_seq_lens_cpu=[4, 3],
+    )
+    active = [torch.tensor([False, True, False, True]), torch.tensor([True, True, True])]
+    sub, index = active_sub_batch(batch, active)
+    assert index.tolist() == [1, 3, 4, 5, 6]
+    assert not sub.needs_forward_metadata_init()
+    assert batch.needs_forward_metadata_init()
+    stock, _ = active_sub_batch(batch, active, stock_attention=True)
+    assert stock.needs_forward_metadata_init()
