@@ -1,15 +1,21 @@
-"""Soak a ``--mm-reuse conduit`` server with every request shape at once.
+"""Soak a ``--mm-reuse conduit`` server with every feature and request shape at once.
 
     python benchmarks/soak.py --requests 1000 --concurrency 8 --out-dir benchmarks/results/soak
 
-Mixed traffic on the tiny VLM under memory pressure (a KV pool smaller than the
-images in play): image reuse under new prefixes and orders, exact repeats, two-turn
-chats, text-only chats, prompt logprobs (OpenAI echo), ``n > 1``, streams whose
-client disconnects after the first chunk, aborted requests, broken, 1x1 and huge
-images, prompts longer than the context, cache flushes during traffic, several
-``cache_salt`` tenants. Then a deterministic subset (text chats and chats about
-new images, greedy) is sent one at a time to the soaked server and to a stock
-server, one server up at a time.
+The server runs with everything on: CONDUIT refresh, SnapKV compression at fill with
+reuse holes (kept 0.5), small prefill chunks (64 tokens) under SGLang's overlap
+scheduler, a KV pool smaller than the images in play (memory pressure), an L3
+segment storage directory, and every freed or hole slot NaN-poisoned
+(``SGL_MMKV_POISON_FREED=1``: a read of a slot no request wrote spreads NaN).
+
+Mixed traffic on the tiny VLM: image reuse under new prefixes and orders, images
+after a long text (their last chunk reuses them with holes), exact repeats, two-turn
+chats, session turns, text-only chats, prompt logprobs (OpenAI echo), ``n > 1``,
+streams whose client disconnects after the first chunk, aborted requests, broken,
+1x1 and huge images, prompts longer than the context, cache flushes during traffic,
+several ``cache_salt`` tenants. Then a deterministic subset (text chats and chats
+about new images, greedy) is sent one at a time to the soaked server and to a stock
+server at its defaults, one server up at a time.
 
 Pass: the server never dies, every valid request gets 200, every invalid one a
 4xx, the deterministic subset equals stock's replies, and after a flush the pool
@@ -34,6 +40,7 @@ from pathlib import Path
 import requests
 
 from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.segments.poison import POISON_ENV
 from sgl_mmkv.testing.images import data_url, make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -41,6 +48,7 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
+    stock_cpu_env,
 )
 
 # kind -> (weight, what a correct answer is: "ok" = 200, "4xx", "ok|4xx")
@@ -49,6 +57,8 @@ KINDS: dict[str, tuple[int, str]] = {
     "reordered": (3, "ok"),
     "exact_repeat": (2, "ok"),
     "multi_turn": (2, "ok"),
+    "long_prefix": (3, "ok"),
+    "session": (1, "ok"),
     "salted": (2, "ok"),
     "text_only": (3, "ok"),
     "prompt_logprobs": (2, "ok"),
@@ -62,6 +72,13 @@ KINDS: dict[str, tuple[int, str]] = {
     "flush": (1, "ok|4xx"),
 }
 POOL_TOKENS = 1200  # 16 tokens per image; 24 images in play hold 384, and rows more
+CHUNK_TOKENS = 64  # long-prefix requests reach their images in a later chunk
+SERVER_FLAGS = [
+    *("--mm-reuse", "conduit", "--mm-reuse-gate", "always", REPORT_REUSE),
+    *("--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "fill"),
+    *("--chunked-prefill-size", str(CHUNK_TOKENS), "--enable-streaming-session"),
+    *("--max-total-tokens", str(POOL_TOKENS)),
+]
 
 
 class Soak:
@@ -112,6 +129,11 @@ class Soak:
             answer = r.json()["choices"][0]["message"]["content"]
             turn = [{"role": "assistant", "content": answer}, user_message("And now?", [])]
             return self._chat(first + turn)
+        if kind == "long_prefix":
+            words = " ".join(f"w{i}x{j}" for j in range(rng.randint(40, 90)))
+            return self._chat(self._messages(system, urls, words + " What do you see?"))
+        if kind == "session":
+            return self._session(system, urls)
         if kind == "text_only":
             return self._chat([{"role": "user", "content": f"Count to {i % 50} please."}])
         if kind == "prompt_logprobs":
@@ -145,6 +167,31 @@ class Soak:
     def _stream(self, messages: list[dict]) -> requests.Response:
         body = {"model": "default", "messages": messages, "max_tokens": 16, "stream": True}
         return requests.post(self.url + "/v1/chat/completions", json=body, stream=True, timeout=600)
+
+    def _session(self, system: str, urls: list[str]) -> requests.Response:
+        """Two turns in a session (streaming or not) that show stored images."""
+        streaming = self.rng.random() < 0.5
+        body = {"capacity_of_str_len": 100000, "streaming": streaming}
+        opened = requests.post(self.url + "/open_session", json=body, timeout=600)
+        if opened.status_code != 200:
+            return opened
+        session, rid, response = opened.json(), None, opened
+        try:
+            for turn in range(2):
+                body = {
+                    "text": f"{system} Turn {turn}."
+                    + "<|vision_start|><|image_pad|><|vision_end|>" * len(urls),
+                    "image_data": urls,
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                    "session_params": {"id": session, "rid": rid},
+                }
+                response = requests.post(self.url + "/generate", json=body, timeout=600)
+                if response.status_code != 200:
+                    return response
+                rid = response.json()["meta_info"]["id"]
+        finally:
+            requests.post(self.url + "/close_session", json={"session_id": session}, timeout=600)
+        return response
 
     def _abort(self, system: str, url: str) -> requests.Response:
         rid = uuid.uuid4().hex
@@ -254,14 +301,22 @@ def main(argv: list[str] | None = None) -> int:
         model = Path(tempfile.mkdtemp()) / "tiny-qwen2-vl"
         make_tiny_model("qwen2_vl", model, seed=0)
 
+    storage = Path(tempfile.mkdtemp(prefix="soak-storage-"))
     flags = [
-        *("--mm-reuse", "conduit", "--mm-reuse-gate", "always", REPORT_REUSE),
-        *("--max-total-tokens", str(POOL_TOKENS)),
+        *SERVER_FLAGS,
+        "--mm-segment-storage",
+        "file",
+        "--mm-segment-storage-dir",
+        str(storage),
     ]
     shared = [a for a in CPU_SERVER_ARGS]
     shared[shared.index("--max-total-tokens") : shared.index("--max-total-tokens") + 2] = []
     server = ServerProcess(
-        "sgl_mmkv.launch_server", model, [*shared, *flags], args.out_dir / "soak_server.log"
+        "sgl_mmkv.launch_server",
+        model,
+        [*shared, *flags],
+        args.out_dir / "soak_server.log",
+        env={**stock_cpu_env(), POISON_ENV: "1"},
     )
     command = "python " + " ".join(server.command[1:])
     with server:
@@ -292,9 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.requests} requests at concurrency {args.concurrency} in {wall:.1f} s; "
         f"server alive: {alive}; pool after flush: {pool}; "
         f"probes equal to stock: {len(stock) - len(differing)}/{len(stock)}; "
-        f"refresh counters: {stats['refresh']}"
+        f"refresh counters: {stats['refresh']}; row compaction: {stats.get('row_compaction')}; "
+        f"storage: {stats.get('storage')}"
     )
-    print(f"server: {command}")
+    print(f"server: {command} (env {POISON_ENV}=1)")
+    print(
+        f"stock:  python -m sglang.launch_server --model-path {model} {' '.join(CPU_SERVER_ARGS)}"
+    )
     record = {
         "command": " ".join(sys.argv),
         "server_command": command,
@@ -308,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         "probes_differing": differing,
         "refresh": stats["refresh"],
         "store": stats["store"],
+        "row_compaction": stats.get("row_compaction"),
+        "storage": stats.get("storage"),
         "failures": failures,
     }
     (args.out_dir / "soak.json").write_text(json.dumps(record, indent=2))

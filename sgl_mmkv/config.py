@@ -68,6 +68,8 @@ DEFAULT_REUSE_GATE = "cost"
 # (checked against the factory once SGLang is imported: sgl_mmkv.support).
 NO_SEGMENT_STORAGE = "none"
 SEGMENT_STORAGE_METAVAR = "{none,file,mooncake,hf3fs,nixl,...}"
+DEFAULT_STORAGE_DEADLINE_MS = 200.0
+MAX_STORAGE_DEADLINE_MS = 60_000.0
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
 
@@ -114,12 +116,19 @@ class MMKVConfig:
         mm_compressed_reuse: one of :data:`COMPRESSED_REUSE`.
         mm_reuse_gate: one of :data:`REUSE_GATES`.
         mm_report_reuse: whether reuse facts reach callers (per-request meta info,
-            ``/get_server_info``); off by default, since they reveal other clients' images.
+            ``/get_server_info``, every counter in ``/metrics``); off by default, since
+            they reveal other clients' images.
         mm_segment_storage: ``none``, or the SGLang storage backend (``file``,
             ``mooncake``, ...) segments are written through to and loaded from.
         mm_segment_storage_dir: the ``file`` backend's directory.
         mm_segment_storage_config: JSON object passed to the backend as SGLang's
             ``extra_config`` (empty: none).
+        mm_segment_storage_deadline_ms: the longest a forward waits for one storage
+            read; a later read is a counted miss.
+        mm_segment_storage_max_gib: every entry of a ``file`` directory together
+            (old entries give way); 0: half its file system's free space at start.
+        mm_segment_storage_namespace_max_gib: the entries of one namespace (salt,
+            extra key, adapter); 0: half of the total cap.
     """
 
     mm_reuse: str = _flag("off", "image KV reuse mode", REUSE_MODES)
@@ -161,7 +170,8 @@ class MMKVConfig:
         False,
         "return per-request reuse facts (meta_info['sgl_mmkv'], a log line) and "
         "sgl_mmkv's counters in /get_server_info; they tell a caller whether another "
-        "client sent an image (off: only Prometheus metrics with --enable-metrics)",
+        "client sent an image; with --enable-metrics, every counter in /metrics too "
+        "(off: only coarse ones)",
     )
     mm_segment_storage: str = _flag(
         NO_SEGMENT_STORAGE,
@@ -177,6 +187,25 @@ class MMKVConfig:
         "",
         "JSON object passed to the --mm-segment-storage backend as SGLang's extra_config",
         metavar="JSON",
+    )
+    mm_segment_storage_deadline_ms: float = _flag(
+        DEFAULT_STORAGE_DEADLINE_MS,
+        "the longest a forward waits for one --mm-segment-storage read; a later read is "
+        "a counted miss (the image is computed)",
+        metavar="MS",
+    )
+    mm_segment_storage_max_gib: float = _flag(
+        0.0,
+        "size cap of a --mm-segment-storage file directory, old entries give way "
+        "(0: half the file system's free space at start)",
+        metavar="GIB",
+    )
+    mm_segment_storage_namespace_max_gib: float = _flag(
+        0.0,
+        "size cap of one namespace's entries (cache_salt, extra key, adapter) in a "
+        "--mm-segment-storage file directory, its old entries give way first "
+        "(0: half of the total cap)",
+        metavar="GIB",
     )
 
     def __post_init__(self) -> None:
@@ -250,6 +279,34 @@ class MMKVConfig:
         if name == "file" and not self.mm_segment_storage_dir:
             raise ConfigError("--mm-segment-storage file needs --mm-segment-storage-dir PATH")
         self.storage_extra_config()
+        self._check_storage_limits()
+
+    def _check_storage_limits(self) -> None:
+        deadline = self.mm_segment_storage_deadline_ms
+        if not (_is_real(deadline) and 0.0 < deadline <= MAX_STORAGE_DEADLINE_MS):
+            raise ConfigError(
+                f"--mm-segment-storage-deadline-ms must be in (0, {MAX_STORAGE_DEADLINE_MS:g}], "
+                f"got {deadline!r}"
+            )
+        caps = {
+            "--mm-segment-storage-max-gib": self.mm_segment_storage_max_gib,
+            "--mm-segment-storage-namespace-max-gib": self.mm_segment_storage_namespace_max_gib,
+        }
+        for flag, value in caps.items():
+            if not (_is_real(value) and 0.0 <= value < float("inf")):
+                raise ConfigError(f"{flag} must be a size in GiB >= 0, got {value!r}")
+        changed = deadline != DEFAULT_STORAGE_DEADLINE_MS or any(caps.values())
+        if changed and not self.uses_segment_storage:
+            raise ConfigError(
+                "--mm-segment-storage-deadline-ms, --mm-segment-storage-max-gib and "
+                "--mm-segment-storage-namespace-max-gib need --mm-segment-storage other than none"
+            )
+        total, space = caps.values()
+        if total and space > total:
+            raise ConfigError(
+                f"--mm-segment-storage-namespace-max-gib {space:g} is above "
+                f"--mm-segment-storage-max-gib {total:g}"
+            )
 
     def storage_extra_config(self) -> dict:
         """``--mm-segment-storage-config`` as a dict (empty when not given)."""

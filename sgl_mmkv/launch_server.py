@@ -1,23 +1,16 @@
 """``python -m sgl_mmkv.launch_server``: SGLang's server with sgl_mmkv's flags.
 
-Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours:
-
-    --mm-reuse {off,exact,conduit,...}   how image KV is reused (default: off)
-    --mm-refresh-budget R                fraction of reused image tokens recomputed, [0, 1]
-    --mm-segment-fill {first,canonical}  how a new image's KV enters the segment store
-    --mm-evict {lru,aircache,mmshiftkv,snapkv}  how segments give way under memory pressure
-    --mm-kv-budget R                     fraction of a segment's tokens kept when compressed
-    --mm-compress-at {pressure,fill,decode}  when a scored segment is compressed
-    --mm-reuse-gate {cost,always}        skip reuse that would cost more than a full prefill
-    --mm-segment-storage {none,file,...} L3 storage of segments, shared between instances
-    --mm-segment-storage-dir PATH        the file backend's directory
-    --mm-segment-storage-config JSON     the backend's extra_config
+Every stock ``sglang.launch_server`` flag is accepted and passed through. Ours are
+made from :class:`~sgl_mmkv.config.MMKVConfig`'s fields (:func:`build_parser`):
+``python -m sgl_mmkv.launch_server --help`` lists them, and the README's flag table
+(checked against the config by ``tests/test_architecture_doc.py``) explains them.
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
 torch_native`` unless given, and the environment SGLang needs on the CPU.
-A bad sgl_mmkv flag, or a stock flag or model the mode does not support
-(``sgl_mmkv.support``), exits with status 2 and a one-line reason before anything
-starts.
+A bad sgl_mmkv flag, or a setting or model the mode does not support
+(``sgl_mmkv.support``, read from SGLang's resolved configuration), exits with
+status 2 and a one-line reason before anything starts. The scheduler runs the
+same checks again where it builds the cache.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from sgl_mmkv.config import (
     flag_name,
 )
 from sgl_mmkv.plugin import verify_hooks
-from sgl_mmkv.support import check_server_args, check_sglang_version
+from sgl_mmkv.support import check_server_args, check_startup, effective_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(sglang_argv)
     try:
         if config.uses_mmkv_cache:
-            check_sglang_version()
             verify_hooks()
-        check_server_args(config, server_args)
+            check_server_args(config, server_args)  # what was asked, before SGLang resolves
+            check_startup(config, *effective_settings(server_args))
         if config.uses_segment_storage:
             check_segment_storage(config)
     except (ConfigError, RuntimeError) as exc:

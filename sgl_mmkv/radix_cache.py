@@ -5,15 +5,17 @@ scheduler process. In ``exact`` mode it is the stock cache: the exact-prefix
 match, insertion, locking and eviction all run SGLang's own code, so hits and
 outputs equal stock SGLang's.
 
-In a scorer mode (``conduit``, ``full``, ...) it also owns the segment store and
-the refresh executor of this process. The store's slots count as evictable
-(``evictable_size``) and are freed by ``evict_for_alloc`` once the tree alone
-cannot cover an allocation; ``reset`` (``flush_cache``) drops them with the pool.
+In a scorer mode (``conduit``, ``full``, ...) the factory also assembles this
+process's runtime (``assembly.py``: segment store, refresh executor, row
+compactor), attaches it to the cache and publishes it for the patches. The store's
+slots count as evictable (``evictable_size``) and are freed by ``evict_for_alloc``
+once the tree alone cannot cover an allocation; ``reset`` (``flush_cache``) drops
+them with the pool.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import os
 
@@ -27,18 +29,19 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sgl_mmkv.config import MMKVConfig, active_config
+from sgl_mmkv.assembly import assemble_runtime
+from sgl_mmkv.config import ConfigError, MMKVConfig, active_config
 from sgl_mmkv.metrics import MMKVMetrics, metrics_enabled
+from sgl_mmkv.refresh.runtime import MMKVRuntime, publish
+from sgl_mmkv.segments.fingerprint import model_identity
 from sgl_mmkv.segments.index import SegmentIndex
-from sgl_mmkv.segments.key import tag_namespace
+from sgl_mmkv.segments.key import item_key, item_span, request_namespace, tag_namespace
 from sgl_mmkv.segments.store import SegmentStore
+from sgl_mmkv.support import check_startup
 
 logger = logging.getLogger(__name__)
 
 ACTIVE_LOG_PREFIX = "sgl_mmkv: radix cache active"
-# The model's identity for the L3 storage fingerprint, recorded by the factory
-# (build_mmkv_radix_cache) from SGLang's ModelConfig before the cache is built.
-_model_identity: str = "unknown"
 
 
 class MMKVRadixCache(UnifiedRadixCache):
@@ -49,21 +52,14 @@ class MMKVRadixCache(UnifiedRadixCache):
     """
 
     def __init__(self, params: CacheInitParams) -> None:
-        config = active_config()
-        if config is None or not config.uses_mmkv_cache:
-            raise RuntimeError(
-                "--radix-cache-backend sgl_mmkv needs sgl_mmkv's config: start the server "
-                "with `python -m sgl_mmkv.launch_server --mm-reuse exact ...`"
-            )
+        config = _config_or_refuse()
         self.segment_store: SegmentStore | None = None  # read by reset() in super().__init__
         self.refresh_executor = None
-        self.row_compactor = None  # read by the run_batch patch
+        self.row_compactor = None
         super().__init__(params)
         self.mmkv_config: MMKVConfig = config
         self.segment_index = SegmentIndex()
-        self.metrics = MMKVMetrics() if metrics_enabled() else None
-        if config.uses_refresh:
-            self._start_refresh(config)
+        self.metrics = MMKVMetrics(config.mm_report_reuse) if metrics_enabled() else None
         logger.info(
             "%s: class=%s mode=%s refresh_budget=%s pid=%d file=%s",
             ACTIVE_LOG_PREFIX,
@@ -77,8 +73,17 @@ class MMKVRadixCache(UnifiedRadixCache):
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """Stock exact-prefix match, then the request's namespace is recorded on its
         multimodal inputs (the segment store's lookups and fills use it) and its image
-        items are classed (``SegmentIndex``); the match itself is returned unchanged."""
+        items are classed (``SegmentIndex``).
+
+        With ``--mm-segment-fill canonical`` a match that ends inside a new image, or
+        right at its start, is matched again one token before the image: the
+        canonical fill computes a new image alone after its own preceding token
+        (``<|vision_start|>``), which must be in the extend. It costs the request
+        that one token; otherwise the match is returned unchanged."""
         result = super().match_prefix(params)
+        cut = self._canonical_cut(params, result.device_prefix_len)
+        if cut is not None:
+            result = super().match_prefix(dataclasses.replace(params, key=params.key[:cut]))
         if params.req is not None:
             try:
                 tag_namespace(params.req)
@@ -90,65 +95,31 @@ class MMKVRadixCache(UnifiedRadixCache):
                 logger.warning("sgl_mmkv: match bookkeeping failed (%r)", error)
         return result
 
-    def _start_refresh(self, config: MMKVConfig) -> None:
-        from sgl_mmkv.refresh.executor import RefreshExecutor
-        from sgl_mmkv.refresh.runtime import set_active_executor
-        from sgl_mmkv.scoring import make_refresh_scorer
+    def _canonical_cut(self, params: MatchPrefixParams, matched: int) -> int | None:
+        """The shorter key length for a canonical fill (see :meth:`match_prefix`)."""
+        config, store, req = self.mmkv_config, self.segment_store, params.req
+        if req is None or store is None or config.mm_segment_fill != "canonical" or not matched:
+            return None
+        try:
+            namespace = request_namespace(req)
+            cuts = []
+            for item in getattr(req.multimodal_inputs, "mm_items", None) or []:
+                span = item_span(item)
+                if span is None or not span[0] - 1 < matched < span[1]:
+                    continue
+                if item_key(item, namespace, span[1] - span[0]) not in store:
+                    cuts.append(span[0] - 1)
+            return min(cuts) if cuts else None
+        except Exception as error:  # the stock match stands
+            logger.warning("sgl_mmkv: canonical match cut failed (%r)", error)
+            return None
 
-        if self.page_size != 1:
-            raise RuntimeError(
-                f"--mm-reuse {config.mm_reuse} needs --page-size 1 (got {self.page_size})"
-            )
-        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
-        compress = config.mm_kv_budget if config.uses_scored_eviction else None
-        storage = None
-        if config.uses_segment_storage:
-            from sgl_mmkv.segments.storage import KVFingerprint, open_storage
-
-            storage = open_storage(
-                config.mm_segment_storage,
-                KVFingerprint.of_pool(kv_pool, _model_identity),
-                config.mm_segment_storage_dir or None,
-                config.storage_extra_config(),
-            )
-            logger.info(
-                "sgl_mmkv: segment storage %s dir=%r fingerprint=%s",
-                config.mm_segment_storage,
-                config.mm_segment_storage_dir,
-                storage.fingerprint,
-            )
-        self.segment_store = SegmentStore(
-            self.token_to_kv_pool_allocator, kv_pool, compress, storage
-        )
-        ranker = None
-        if config.uses_scored_eviction:
-            from sgl_mmkv.refresh import ranker as ranking
-            from sgl_mmkv.scoring import make_eviction_scorer
-
-            spans_of = ranking.fill_spans
-            if config.compresses_at_decode or config.reuses_with_holes:
-                from sgl_mmkv.refresh.row_compaction import RowCompactor
-
-                decode_budget = config.mm_kv_budget if config.compresses_at_decode else None
-                self.row_compactor = RowCompactor(decode_budget, holes=config.reuses_with_holes)
-            if config.compresses_at_decode:
-                spans_of = ranking.extend_image_spans
-            ranker = ranking.VisualRanker(
-                make_eviction_scorer(config.mm_evict), config.mm_kv_budget, spans_of
-            )
-        self.refresh_executor = RefreshExecutor(
-            self.segment_store,
-            make_refresh_scorer(config.mm_reuse, **config.refresh_scorer_knobs()),
-            config.mm_refresh_budget,
-            fill_policy=config.mm_segment_fill,
-            gate=config.mm_reuse_gate,
-            ranker=ranker,
-            compress_on_fill=config.mm_compress_at == "fill",
-            row_compactor=self.row_compactor,
-            report_reuse=config.mm_report_reuse,
-            on_forward=self.publish_metrics,
-        )
-        set_active_executor(self.refresh_executor)
+    def attach(self, runtime: MMKVRuntime) -> None:
+        """Serve with ``runtime``'s segment store, executor and row compactor (a
+        refresh mode; ``build_mmkv_radix_cache`` assembles and publishes it)."""
+        self.segment_store = runtime.store
+        self.refresh_executor = runtime.executor
+        self.row_compactor = runtime.compactor
 
     # -- the store in SGLang's accounting ------------------------------------------------
 
@@ -217,7 +188,8 @@ class MMKVRadixCache(UnifiedRadixCache):
         return groups
 
     def publish_metrics(self) -> None:
-        """Counters to Prometheus (``--enable-metrics``); a no-op otherwise."""
+        """Counters to Prometheus (``--enable-metrics``; only the coarse ones without
+        ``--mm-report-reuse``, see :mod:`sgl_mmkv.metrics`); a no-op otherwise."""
         if self.metrics is not None:
             self.metrics.publish(self.counter_groups())
 
@@ -256,26 +228,33 @@ class MMKVRadixCache(UnifiedRadixCache):
         }
 
 
-def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:
-    """Factory registered with ``register_radix_cache_backend``."""
+def _config_or_refuse() -> MMKVConfig:
     config = active_config()
-    if config is not None and config.compresses_at_decode and not ctx.model_config.model_is_mrope:
-        raise RuntimeError(
-            "--mm-compress-at decode shortens each request's row and moves its decode "
-            "positions by M-RoPE's per-request offset; "
-            f"{ctx.model_config.hf_config.architectures} has no M-RoPE (use a Qwen2-VL-style model)"
+    if config is None or not config.uses_mmkv_cache:
+        raise ConfigError(
+            "--radix-cache-backend sgl_mmkv needs sgl_mmkv's config: start the server "
+            "with `python -m sgl_mmkv.launch_server --mm-reuse exact ...`"
         )
-    global _model_identity
-    _model_identity = model_identity(ctx.model_config)
-    return create_unified_radix_cache(ctx, cache_class=MMKVRadixCache)
+    return config
 
 
-def model_identity(model_config) -> str:
-    """``path@revision#<sha256 of the HF config>[:16]``: what must match for two servers
-    to share stored segments (with the KV dtype and layout, ``KVFingerprint``)."""
+def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:
+    """Factory registered with ``register_radix_cache_backend``: every way of starting
+    a server with this backend comes here, so it runs sgl_mmkv's start-up checks on
+    SGLang's effective configuration (the resolved server args, the HF config after
+    overrides) and stops the scheduler with the one-line reason of a refusal."""
+    config = _config_or_refuse()
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.runtime_context import get_server_args
+
+    args, hf_config = resolved_view(get_server_args()), ctx.model_config.hf_config.to_dict()
     try:
-        text = model_config.hf_config.to_json_string()
-    except Exception:  # a config transformers cannot serialise: the path alone
-        text = ""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return f"{model_config.model_path}@{getattr(model_config, 'revision', None)}#{digest}"
+        check_startup(config, args, hf_config)
+    except ConfigError as refusal:
+        raise ConfigError(f"sgl_mmkv refuses to start: {refusal}") from None
+    cache = create_unified_radix_cache(ctx, cache_class=MMKVRadixCache)
+    if config.uses_refresh:
+        runtime = assemble_runtime(config, cache, model_identity(ctx.model_config))
+        cache.attach(runtime)
+        publish(runtime)
+    return cache

@@ -1,16 +1,23 @@
-"""What sgl_mmkv's refresh path supports, checked before the server starts.
+"""What sgl_mmkv's refresh path supports, checked before the server serves.
 
 The refresh executor re-positions reused KV by rotating keys (a RoPE whose angle
 is linear in position), runs its own attention over one request row at a time,
 copies KV token by token, and runs sub-batches on one device. Everything outside
 that is refused here, with one line naming the flag or the model and what is
-missing, instead of crashing in the scheduler or answering wrongly later. The
-checks read SGLang's parsed ``ServerArgs``, so ``--config`` files and abbreviated
-flags are seen too.
+missing, instead of crashing in the scheduler or answering wrongly later.
+
+The checks read SGLang's effective configuration, never the raw flags or files:
+the server args as SGLang resolves them (``--config`` files, abbreviated flags and
+SGLang's own defaults included), the resolved CUDA-graph configuration (from
+``--cuda-graph-config`` as well as the per-phase flags), and the model's Hugging
+Face config after ``--json-model-override-args``. The launcher runs them early
+(exit 2, :func:`effective_settings`); the scheduler runs them again where the
+cache is built (``build_mmkv_radix_cache``), so every way in is checked.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -53,11 +60,43 @@ def check_sglang_version() -> None:
         )
 
 
-def check_server_args(config: MMKVConfig, args: Any) -> None:
-    """Raise :class:`ConfigError` for the first setting ``config`` cannot run with.
+def check_startup(config: MMKVConfig, args: Any, hf_config: dict) -> None:
+    """Every start-up check of ``config`` against SGLang's effective configuration
+    (``args`` and ``hf_config`` as in :func:`check_effective`)."""
+    if config.uses_mmkv_cache:
+        check_sglang_version()
+    check_effective(config, args, hf_config)
 
-    Args:
-        args: SGLang's parsed ``ServerArgs``.
+
+def effective_settings(server_args: Any) -> tuple[Any, dict]:
+    """SGLang's effective configuration: (its resolved view of ``server_args``, the
+    model's Hugging Face config after ``--json-model-override-args`` as a dict).
+
+    A record not resolved yet (the launcher's) is resolved on a copy, so the record
+    ``run_server`` receives stays as stock leaves it; the same resolution then runs
+    in ``run_server`` and gives the same result.
+    """
+    from sglang.srt.arg_groups.overrides import model_config_of, resolved_view
+
+    if not getattr(server_args, "_resolution_finished", False):
+        server_args = copy.deepcopy(server_args)
+        server_args.resolve_once()
+    return resolved_view(server_args), model_config_of(server_args).hf_config.to_dict()
+
+
+def graph_backend(graphs: Any, phase: str) -> str | None:
+    """The CUDA-graph backend of ``phase`` (``prefill`` / ``decode``) in SGLang's
+    resolved ``cuda_graph_config`` (a ``CudaGraphConfig``, or its dict form)."""
+    settings = graphs.get(phase) if isinstance(graphs, dict) else getattr(graphs, phase, None)
+    if isinstance(settings, dict):
+        return settings.get("backend")
+    return getattr(settings, "backend", None)
+
+
+def check_server_args(config: MMKVConfig, args: Any) -> None:
+    """Raise :class:`ConfigError` for the first server setting ``config`` cannot run
+    with. ``args``: SGLang's server args, as parsed (the launcher checks the flags
+    asked for before SGLang resolves anything) or resolved (:func:`check_effective`).
     """
     if config.uses_mmkv_cache:
         if args.disable_radix_cache:
@@ -72,6 +111,7 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
     if not config.uses_refresh:
         return
     mode = f"--mm-reuse {config.mm_reuse}"
+    shrinking = config.compresses_at_decode or config.reuses_with_holes
     refusals = [
         (
             args.tp_size > 1,
@@ -91,6 +131,11 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             f"--pp-size {args.pp_size}: refresh passes run the whole model on one rank",
         ),
         (
+            args.disaggregation_mode not in (None, "null"),
+            f"--disaggregation-mode {args.disaggregation_mode}: the segment store and "
+            "refresh passes live in one instance, PD KV transfer does not carry them",
+        ),
+        (
             args.speculative_algorithm is not None,
             f"--speculative-algorithm "
             f"{args.speculative_algorithm}: verify and draft extends are not refresh batches",
@@ -100,7 +145,7 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             "--enable-lora / --lora-paths: refresh sub-batches do not re-prepare LoRA metadata",
         ),
         (
-            args.enable_mixed_chunk and (config.compresses_at_decode or config.reuses_with_holes),
+            args.enable_mixed_chunk and shrinking,
             "--enable-mixed-chunk with rows that shrink after prefill (--mm-compress-at decode, "
             "or reuse with holes: set --mm-compressed-reuse recompute): mixed batches re-derive "
             "positions a shrunk row lacks",
@@ -111,21 +156,54 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             "segment copies and refresh attention read KV without its scales",
         ),
         (
-            args.cuda_graph_backend_prefill not in (None, "disabled"),
-            "--cuda-graph-backend-"
-            f"prefill {args.cuda_graph_backend_prefill}: prefill CUDA graphs bypass the executor",
-        ),
-        (
             args.page_size not in (None, 1),
             f"--page-size {args.page_size}: image KV is copied token by token (page size 1)",
         ),
     ]
+    _refuse_first(mode, refusals)
+
+
+def _refuse_first(mode: str, refusals: list[tuple[bool, str]]) -> None:
     for refused, reason in refusals:
         if refused:
             raise ConfigError(f"{mode} cannot run with {reason}")
-    check_model(mode, args.model_path, config.compresses_at_decode)
+
+
+def check_effective(config: MMKVConfig, args: Any, hf_config: dict) -> None:
+    """:func:`check_server_args` on SGLang's resolved args, then its resolved CUDA
+    graphs and the model.
+
+    Args:
+        args: SGLang's resolved server args (:func:`effective_settings`; in the
+            scheduler ``resolved_view(get_server_args())``).
+        hf_config: the model's Hugging Face config after SGLang's overrides.
+    """
+    check_server_args(config, args)
+    if not config.uses_refresh:
+        return
+    mode = f"--mm-reuse {config.mm_reuse}"
+    prefill = graph_backend(args.cuda_graph_config, "prefill")
+    decode = graph_backend(args.cuda_graph_config, "decode")
+    shrinking = config.compresses_at_decode or config.reuses_with_holes
+    refusals = [
+        (
+            prefill not in (None, "disabled"),
+            f"prefill CUDA graphs (SGLang resolved the prefill backend to {prefill!r}, "
+            "from --cuda-graph-backend-prefill or --cuda-graph-config): they bypass the "
+            "refresh executor; set the prefill backend to disabled",
+        ),
+        (
+            shrinking and decode not in (None, "disabled"),
+            f"decode CUDA graphs (SGLang resolved the decode backend to {decode!r}) "
+            "with rows that shrink after prefill: replay over shrunk rows is untested; add "
+            "--disable-decode-cuda-graph, or use --mm-compress-at pressure or fill and "
+            "--mm-compressed-reuse recompute",
+        ),
+    ]
+    _refuse_first(mode, refusals)
+    check_model(mode, hf_config, config.compresses_at_decode)
     if config.scored_layers is not None:
-        check_scored_layers(config.scored_layers, args.model_path)
+        check_scored_layers(config.scored_layers, hf_config)
     if config.uses_segment_storage:
         check_storage_backend(config.mm_segment_storage)
 
@@ -159,9 +237,17 @@ def _model_config(model_path: str) -> dict:
         ) from exc
 
 
-def check_scored_layers(layers: tuple[int, ...], model_path: str) -> None:
-    """Refuse scorer ``layers`` the model does not have."""
-    config = _model_config(model_path)
+def _hf_config(model: dict | str) -> dict:
+    return model if isinstance(model, dict) else _model_config(model)
+
+
+def check_scored_layers(layers: tuple[int, ...], model: dict | str) -> None:
+    """Refuse scorer ``layers`` the model does not have.
+
+    Args:
+        model: the model's Hugging Face config (a dict), or a path to read it from.
+    """
+    config = _hf_config(model)
     num_layers = (config.get("text_config") or config).get("num_hidden_layers")
     if num_layers is not None and max(layers) >= num_layers:
         raise ConfigError(
@@ -183,10 +269,15 @@ def rope_type(config: dict) -> str | None:
     return None
 
 
-def check_model(mode: str, model_path: str, compresses_at_decode: bool = False) -> None:
+def check_model(mode: str, model: dict | str, compresses_at_decode: bool = False) -> None:
     """Refuse a model whose class, rotary or attention the refresh path does not
-    reproduce exactly, or that ``--mm-compress-at decode`` cannot shorten."""
-    config = _model_config(model_path)
+    reproduce exactly, or that ``--mm-compress-at decode`` cannot shorten.
+
+    Args:
+        model: the model's Hugging Face config (a dict, after SGLang's overrides), or
+            a path to read ``config.json`` from.
+    """
+    config = _hf_config(model)
     architectures = config.get("architectures") or ["unknown"]
     name = architectures[0]
     if name not in SUPPORTED_ARCHITECTURES:

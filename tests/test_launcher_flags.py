@@ -157,9 +157,12 @@ def test_bad_flags_raise_config_error(argv, message):
 
 def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
     from sgl_mmkv.config import EVICTION_POLICIES
-    from sgl_mmkv.scoring import EVICTION_SCORERS
+    from sgl_mmkv.scoring import make_eviction_scorer
 
-    assert set(EVICTION_POLICIES) == {"lru", *EVICTION_SCORERS}
+    # the documented choices (README, docs/design.md), each scored one a built scorer
+    assert list(EVICTION_POLICIES) == ["lru", "aircache", "mmshiftkv", "snapkv", "random_keep"]
+    scored = list(EVICTION_POLICIES)[1:]
+    assert [make_eviction_scorer(name).name for name in scored] == scored
     config, _ = resolve_args(
         ["--mm-reuse", "conduit", "--mm-evict", "mmshiftkv", "--mm-kv-budget", "0.1"]
     )

@@ -18,7 +18,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("segments",),
     ("refresh",),
     ("patches",),
-    ("radix_cache",),
+    ("radix_cache", "assembly"),
     ("plugin", "launch_server", "frontend", "routing"),
     ("testing",),
 )

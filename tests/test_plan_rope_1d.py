@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from sgl_mmkv.refresh.plan import item_span, plan_request, row_positions
-from sgl_mmkv.segments.key import NAMESPACE_ATTR, Namespace, item_key
+from sgl_mmkv.refresh.plan import plan_request, row_positions
+from sgl_mmkv.segments.key import NAMESPACE_ATTR, Namespace, item_key, item_span
 from sgl_mmkv.segments.store import SegmentStore
 from tests.test_segment_store import Allocator, Pool
 

@@ -1,20 +1,33 @@
 """What the refresh path does not support is refused before the server starts: the
-launcher exits with status 2 and one line naming the flag or the model."""
+launcher exits with status 2 and one line naming the flag or the model, and the
+scheduler refuses the same on a stock launch. Both read SGLang's effective
+configuration (resolved server args and CUDA graphs, the HF config after overrides)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import psutil
 import pytest
 
-from sgl_mmkv.config import ConfigError
-from sgl_mmkv.support import check_model, check_scored_layers
-from sgl_mmkv.testing.server import stock_cpu_env
+from sgl_mmkv.config import CONFIG_ENV, ConfigError, MMKVConfig
+from sgl_mmkv.support import (
+    check_effective,
+    check_model,
+    check_scored_layers,
+    graph_backend,
+    rope_type,
+)
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, stock_cpu_env
 
+GRAPHS = ["--attention-backend", "intel_amx"]
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
 # (case, extra flags, what the one-line reason must name)
 FLAG_CASES = [
     ("tensor parallel", ["--tp-size", "2"], "--tp-size 2"),
@@ -25,7 +38,31 @@ FLAG_CASES = [
     ("lora", ["--enable-lora"], "--enable-lora"),
     ("lora paths", ["--lora-paths", "a=/nonexistent"], "--lora-paths"),
     ("fp8 kv", ["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
-    ("prefill graphs", ["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
+    # SGLang keeps CUDA graphs on the CPU with a backend other than torch_native
+    ("prefill graphs", GRAPHS + ["--cuda-graph-backend-prefill", "full"], "prefill CUDA graphs"),
+    (
+        "prefill graphs by --cuda-graph-config",
+        GRAPHS + ["--cuda-graph-config", '{"prefill": {"backend": "full"}}'],
+        "SGLang resolved the prefill backend to 'full'",
+    ),
+    (
+        "decode graphs + reuse with holes",
+        GRAPHS + ["--mm-evict", "snapkv"],
+        "decode CUDA graphs (SGLang resolved the decode backend to 'full') with rows that "
+        "shrink after prefill: replay over shrunk rows is untested; add "
+        "--disable-decode-cuda-graph",
+    ),
+    ("PD disaggregation", ["--disaggregation-mode", "prefill"], "--disaggregation-mode prefill"),
+    (
+        "sliding window by --json-model-override-args",
+        ["--json-model-override-args", json.dumps({"text_config": {"use_sliding_window": True}})],
+        "does not support Qwen2VLForConditionalGeneration with a sliding window",
+    ),
+    (
+        "longrope by --json-model-override-args",
+        ["--json-model-override-args", json.dumps({"text_config": {"rope_parameters": LONGROPE}})],
+        "with longrope rotary scaling",
+    ),
     (
         "mixed chunk + decode compression",
         ["--enable-mixed-chunk", "--mm-evict", "snapkv", "--mm-compress-at", "decode"],
@@ -40,37 +77,49 @@ FLAG_CASES = [
 ]
 
 
-def _launch(model, extra: list[str]) -> subprocess.CompletedProcess:
+def _launch(model, extra: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Run the launcher until it exits. One that is not refused starts a server: its
+    whole process tree is ended at ``timeout_s`` and the result has no return code."""
     command = [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", str(model)]
-    return subprocess.run(
-        [*command, "--mm-reuse", "conduit", *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=stock_cpu_env(),
+    command += ["--mm-reuse", "conduit", *extra]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=stock_cpu_env()
     )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+        for child in tree:
+            child.kill()
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(command, None, out, err + "\n(not refused: killed)")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
-def longrope_vlm(tiny_vlm, tmp_path_factory):
-    """The tiny VLM's files with LongRoPE rotary scaling in its config."""
-    out = tmp_path_factory.mktemp("longrope") / "tiny-qwen2-vl-longrope"
-    shutil.copytree(tiny_vlm, out)
+def longrope_llava(tiny_llava, tmp_path_factory):
+    """The tiny LLaVA's files with LongRoPE rotary scaling in its text config (a
+    Qwen2-VL config's rotary is reset to M-RoPE by transformers when it loads)."""
+    out = tmp_path_factory.mktemp("longrope") / "tiny-hf-lv-longrope"
+    shutil.copytree(tiny_llava, out)
     config = json.loads((out / "config.json").read_text())
-    for scope in (config, config.get("text_config") or {}):
-        params = {**scope.get("rope_parameters", {}), "rope_type": "longrope"}
-        params.update(short_factor=[1.0], long_factor=[4.0])
-        scope["rope_parameters"] = params
+    text = config["text_config"]
+    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    text["rope_parameters"] = {
+        **text.get("rope_parameters", {}),
+        **{"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [4.0] * half},
+        "original_max_position_embeddings": 256,
+    }
     (out / "config.json").write_text(json.dumps(config))
     return out
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_vlm, tiny_llm, longrope_vlm) -> dict[str, subprocess.CompletedProcess]:
+def launches(tiny_vlm, tiny_llm, longrope_llava) -> dict[str, subprocess.CompletedProcess]:
     """Every refused start-up, two at a time (each imports SGLang, then exits)."""
     runs = {name: (tiny_vlm, extra) for name, extra, _ in FLAG_CASES}
     runs["text-only model"] = (tiny_llm, [])
-    runs["longrope model"] = (longrope_vlm, [])
+    runs["longrope model"] = (longrope_llava, [])
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(_launch, *run) for name, run in runs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -97,6 +146,135 @@ def test_a_text_only_model_is_refused(launches):
 def test_a_rotary_not_linear_in_position_is_refused(launches):
     line = _refused(launches["longrope model"])
     assert "longrope rotary scaling" in line and "not linear in position" in line
+
+
+# Stock `sglang.launch_server` with sgl_mmkv's config in the environment: the
+# launcher's checks never run, the cache factory in the scheduler refuses.
+# (case, sgl_mmkv config, stock flags, the reason the scheduler gives)
+SCHEDULER_CASES = [
+    ("page size", {"mm_reuse": "conduit"}, ["--page-size", "16"], "--page-size 16"),
+    (
+        "sliding window by --json-model-override-args",
+        {"mm_reuse": "conduit"},
+        ["--json-model-override-args", json.dumps({"text_config": {"use_sliding_window": True}})],
+        "does not support Qwen2VLForConditionalGeneration with a sliding window",
+    ),
+]
+
+
+def _stock_launch(model, log: Path, config: dict, extra: list[str]) -> tuple[int, str]:
+    """Start stock SGLang with sgl_mmkv's radix cache; return its exit status and log
+    once it exits (a server that comes up instead is stopped and fails the test)."""
+    env = {**stock_cpu_env(), CONFIG_ENV: json.dumps(config)}
+    args = [*CPU_SERVER_ARGS, "--radix-cache-backend", "sgl_mmkv", *extra]
+    server = ServerProcess("sglang.launch_server", model, args, log, env=env)
+    try:
+        server.start(timeout_s=600, attempts=1)
+    except RuntimeError:
+        return server.process.returncode, server.log_text()
+    server.stop()
+    raise AssertionError(f"stock launch with {extra} was not refused")
+
+
+@pytest.fixture(scope="module")
+def scheduler_refusals(tiny_vlm, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    logs = tmp_path_factory.mktemp("scheduler-refusals")
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(_stock_launch, tiny_vlm, logs / f"{i}.log", config, extra)
+            for i, (name, config, extra, _) in enumerate(SCHEDULER_CASES)
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "extra", "named"), SCHEDULER_CASES, ids=[c[0] for c in SCHEDULER_CASES]
+)
+def test_stock_launch_with_our_cache_is_checked_in_the_scheduler(
+    scheduler_refusals, name, config, extra, named
+):
+    returncode, log = scheduler_refusals[name]
+    assert returncode != 0
+    refusal = "sgl_mmkv.config.ConfigError: sgl_mmkv refuses to start: --mm-reuse conduit "
+    reasons = [line for line in log.splitlines() if line.startswith(refusal)]
+    assert len(reasons) == 1, log[-3000:]
+    assert named in reasons[0]
+    assert "radix cache active" not in log
+
+
+@pytest.fixture()
+def own_environment():
+    """SGLang's resolution sets environment variables; keep them out of other tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _effective(model, *flags: str):
+    from sglang.srt.server_args import prepare_server_args
+
+    from sgl_mmkv.support import effective_settings
+
+    record = prepare_server_args(["--model-path", str(model), "--device", "cpu", *flags])
+    args, hf_config = effective_settings(record)
+    assert not getattr(record, "_resolution_finished", False)  # run_server resolves it
+    return args, hf_config
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        # SGLang turns every CUDA graph off for torch_native: nothing to refuse
+        (["--attention-backend", "torch_native", "--cuda-graph-backend-prefill", "full"], None),
+        (["--attention-backend", "intel_amx"], None),
+        (["--attention-backend", "intel_amx", "--cuda-graph-backend-prefill", "full"], "prefill"),
+        (
+            ["--attention-backend", "intel_amx"]
+            + ["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'],
+            "prefill",
+        ),
+    ],
+)
+def test_graph_checks_read_sglang_resolved_config(own_environment, tiny_vlm, flags, refused):
+    args, hf_config = _effective(tiny_vlm, *flags)
+    config = MMKVConfig(mm_reuse="conduit")
+    if refused is None:
+        check_effective(config, args, hf_config)
+        return
+    with pytest.raises(ConfigError, match=f"{refused} CUDA graphs"):
+        check_effective(config, args, hf_config)
+
+
+def test_decode_graphs_are_refused_only_for_rows_that_shrink(own_environment, tiny_vlm):
+    graphs = ["--attention-backend", "intel_amx"]
+    args, hf_config = _effective(tiny_vlm, *graphs)
+    assert graph_backend(args.cuda_graph_config, "decode") == "full"
+    check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+    recompute = MMKVConfig(mm_reuse="conduit", mm_evict="snapkv", mm_compressed_reuse="recompute")
+    check_effective(recompute, args, hf_config)
+    for shrinking in (
+        MMKVConfig(mm_reuse="conduit", mm_evict="snapkv"),
+        MMKVConfig(mm_reuse="conduit", mm_evict="snapkv", mm_compress_at="decode"),
+    ):
+        with pytest.raises(ConfigError, match="add --disable-decode-cuda-graph"):
+            check_effective(shrinking, args, hf_config)
+    args, hf_config = _effective(tiny_vlm, *graphs, "--disable-decode-cuda-graph")
+    check_effective(MMKVConfig(mm_reuse="conduit", mm_evict="snapkv"), args, hf_config)
+
+
+def test_the_model_is_checked_after_sglang_overrides(own_environment, tiny_vlm):
+    override = {"text_config": {"rope_parameters": LONGROPE}}
+    args, hf_config = _effective(tiny_vlm, "--json-model-override-args", json.dumps(override))
+    assert rope_type(hf_config) == "longrope"
+    check_model("--mm-reuse conduit", str(tiny_vlm))  # the file alone passes
+    with pytest.raises(ConfigError, match="longrope rotary scaling"):
+        check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+    layers = json.dumps({"num_hidden_layers": 1, "text_config": {"num_hidden_layers": 1}})
+    args, hf_config = _effective(tiny_vlm, "--json-model-override-args", layers)
+    scored = MMKVConfig(mm_reuse="conduit", mm_refresh_scorer_args='{"layers": [1]}')
+    with pytest.raises(ConfigError, match="the model has 1 layers"):
+        check_effective(scored, args, hf_config)
 
 
 def _model_with_rope(tmp_path, rope: dict | None, field: str = "rope_parameters"):
@@ -170,3 +348,19 @@ def test_decode_time_compression_is_refused_before_start_without_mrope(tmp_path,
         check_model("--mm-reuse conduit", path, compresses_at_decode=True)
     assert str(refusal.value).startswith(f"--mm-compress-at decode does not support {name}")
     assert "\n" not in str(refusal.value)
+
+
+def test_the_model_is_checked_as_sglang_loads_it(own_environment, tiny_vlm, tmp_path):
+    """transformers resets a Qwen2-VL text config's rotary to M-RoPE when it loads, so
+    SGLang runs M-RoPE although the file says LongRoPE: the start is accepted."""
+    model = tmp_path / "tiny-qwen2-vl-longrope-file"
+    shutil.copytree(tiny_vlm, model)
+    config = json.loads((model / "config.json").read_text())
+    for scope in (config, config["text_config"]):
+        scope["rope_parameters"] = {**scope.get("rope_parameters", {}), **LONGROPE}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="longrope rotary scaling"):
+        check_model("--mm-reuse conduit", str(model))  # the file alone
+    args, hf_config = _effective(model)
+    assert rope_type(hf_config) is None
+    check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)

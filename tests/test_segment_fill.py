@@ -91,6 +91,25 @@ def test_the_filling_request_is_served_the_same_under_both_policies(server):
         assert canonical.first_top_logprobs == first.first_top_logprobs
 
 
+def test_every_new_image_is_stored_under_a_shared_system_prompt(server):
+    """The second request's exact-prefix match ends at its image's ``<|vision_start|>``
+    (the first request showed another image after the same text); ``canonical`` then
+    matches one token shorter, so it can compute the image alone and store it."""
+    client = FidelityClient(server.base_url, max_tokens=2)
+    client.flush()
+    before = _mmkv(server.base_url)["store"]
+    for seed in (511, 512):
+        client.chat(
+            [
+                {"role": "system", "content": "One shared prompt."},
+                user_message(TEXT, [make_image(seed)]),
+            ]
+        )
+    after = _mmkv(server.base_url)["store"]
+    assert after["fills"] - before["fills"] == 2
+    assert after["canonical_skipped"] == before["canonical_skipped"]
+
+
 def test_flush_returns_every_slot(server):
     FidelityClient(server.base_url).flush()
     ledger = _mmkv(server.base_url)["pool"]

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from sgl_mmkv.segments.index import SegmentIndex
 
+IMAGE = SimpleNamespace(name="IMAGE")
 
-def _req(rid: str, items: list[tuple[int, int, int]]):
+
+def _item(h: int, start: int, end: int, grid: tuple[int, ...] = (1, 4, 4)):
+    return SimpleNamespace(
+        hash=h, offsets=[(start, end)], modality=IMAGE, image_grid_thw=torch.tensor(grid)
+    )
+
+
+def _req(rid: str, items: list[tuple[int, int, int]], **request):
     """items: (hash, start, end) with inclusive end, as SGLang's offsets."""
-    mm_items = [SimpleNamespace(hash=h, offsets=[(s, e)]) for h, s, e in items]
-    return SimpleNamespace(rid=rid, multimodal_inputs=SimpleNamespace(mm_items=mm_items))
+    mm_items = [_item(h, s, e) for h, s, e in items]
+    return SimpleNamespace(rid=rid, multimodal_inputs=SimpleNamespace(mm_items=mm_items), **request)
 
 
 def test_classes_prefix_reusable_and_new():
@@ -64,3 +74,16 @@ def test_lru_forgets_old_contents():
         index.observe(_req(f"r{i}", [(h, 0, 15)]), 0)
     assert index.observe(_req("x", [(1, 0, 15)]), 0)["new"] == 1  # 1 was evicted
     assert index.observe(_req("y", [(3, 0, 15)]), 0)["reusable"] == 1
+
+
+def test_the_same_image_is_what_the_segment_store_calls_the_same():
+    """One definition of "the same image" (its segment key): another tenant, grid or
+    length is another image even with the same content hash."""
+    index = SegmentIndex()
+    index.observe(_req("a", [(5, 10, 25)]), matched_len=0)
+    assert index.observe(_req("b", [(5, 40, 55)], cache_salt="other"), 0)["new"] == 1
+    other_grid = _req("c", [])
+    other_grid.multimodal_inputs.mm_items = [_item(5, 40, 55, grid=(1, 2, 8))]
+    assert index.observe(other_grid, 0)["new"] == 1
+    assert index.observe(_req("d", [(5, 40, 63)]), 0)["new"] == 1  # 24 tokens, not 16
+    assert index.observe(_req("e", [(5, 70, 85)]), 0)["reusable"] == 1  # the paired hit

@@ -1,5 +1,7 @@
-"""The short version of ``benchmarks/soak.py``: every request shape at once, under
-memory pressure, against one server; the long one (1,000 requests) is in the docs."""
+"""The short version of ``benchmarks/soak.py``: every request shape at once against
+one server with every feature on (refresh, holes, small chunks under the overlap
+scheduler, memory pressure, L3 storage, poisoned freed slots); the long one (1,000
+requests) is in the docs."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_a_short_soak_passes(tiny_vlm, tmp_path):
     command = [
         sys.executable,
         str(SOAK),
-        *("--requests", "120", "--concurrency", "8", "--seed", "1", "--probes", "8"),
+        *("--requests", "200", "--concurrency", "8", "--seed", "1", "--probes", "8"),
         *("--model-path", str(tiny_vlm), "--out-dir", str(tmp_path)),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -32,8 +34,11 @@ def test_a_short_soak_passes(tiny_vlm, tmp_path):
     record = json.loads((tmp_path / "soak.json").read_text())
     assert record["failures"] == [] and record["alive"]
     assert set(record["outcomes"]) == set(_kinds())  # every shape was sent
-    assert sum(sum(c.values()) for c in record["outcomes"].values()) == 120
+    assert sum(sum(c.values()) for c in record["outcomes"].values()) == 200
     assert record["refresh"]["reused_tokens"] > 0  # reuse happened under the traffic
+    holes = record["row_compaction"]
+    assert holes["hole_tokens"] > 0 and holes["skipped_requests"] == 0  # holes, all compacted
+    assert record["store"]["compressions"] > 0  # segments compressed at fill
     pool = record["pool_after_flush"]
     assert pool["available"] == pool["size"] and pool["free_unique"]
     assert record["probes_compared"] == 8 and record["probes_differing"] == []

@@ -1,13 +1,12 @@
 """Patch of ``sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend``
 (SGLang 0.5.23).
 
-AROUND hook: when this scheduler process runs sgl_mmkv's refresh executor (a
-``--mm-reuse`` scorer mode), every eager extend forward goes through
+AROUND hook, registered with a ``--mm-reuse`` scorer mode: every eager extend
+forward of the scheduler goes through the published runtime's
 :meth:`RefreshExecutor.execute_extend`, which calls the stock method on the whole
 batch when nothing is reused and on active-token sub-batches when something is.
 If anything in that path raises, the executor answers the batch as stock (a
 stock fallback, counted as ``fallbacks``).
-Without an executor the stock method runs untouched.
 """
 
 from __future__ import annotations
@@ -18,12 +17,9 @@ TARGET = "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_ext
 
 
 def execute_extend_with_reuse(original, runner: Any, forward_batch: Any, *args: Any, **kwargs):
-    from sgl_mmkv.refresh.runtime import active_executor
+    from sgl_mmkv.refresh.runtime import current
 
-    executor = active_executor()
-    if executor is None:
-        return original(runner, forward_batch, *args, **kwargs)
-    return executor.execute_extend(
+    return current().executor.execute_extend(
         lambda batch: original(runner, batch, *args, **kwargs), runner.model_runner, forward_batch
     )
 

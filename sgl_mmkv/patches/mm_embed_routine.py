@@ -1,6 +1,6 @@
 """Patch of ``sglang.srt.managers.mm_utils.general_mm_embed_routine`` (SGLang 0.5.23).
 
-AROUND hook: during a refresh pass (``sgl_mmkv.refresh.embedding_pass``) the
+AROUND hook: during a refresh pass (the runtime's ``embedding_slot``) the
 batch holds only its active tokens, but multimodal embedding must see the whole
 extend to place image features. So the full batch's embeddings are built once
 by SGLang's own ``prepare_mm_inputs`` (vision encoder and its cache included),
@@ -30,9 +30,9 @@ def embed_active_rows(
     feature_dtypes: Any = None,
     **kwargs: Any,
 ):
-    from sgl_mmkv.refresh.embedding_pass import current_embedding_pass
+    from sgl_mmkv.refresh.runtime import current
 
-    embeddings = current_embedding_pass()
+    embeddings = current().embedding_slot.current
     if embeddings is None:
         return original(
             input_ids,

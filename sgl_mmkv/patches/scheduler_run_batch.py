@@ -21,9 +21,9 @@ TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def run_batch_with_row_compaction(original, scheduler: Any, batch: Any, *args, **kwargs):
-    compactor = getattr(scheduler.tree_cache, "row_compactor", None)
-    if compactor is None:
-        return original(scheduler, batch, *args, **kwargs)
+    from sgl_mmkv.refresh.runtime import current
+
+    compactor = current().compactor
     try:
         compactor.admit(batch)
     except Exception as error:  # admitting nobody: every row position is computed

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
+from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.row_view import RowView
@@ -29,6 +29,8 @@ class ExtendContext:
     shape: the decoder's shape, for FLOPs.
     embeddings: the batch's input embeddings, built once by the first pass that
         needs them and shared by every later pass (``embedding_pass.py``).
+    embedding_slot: where a pass puts ``embeddings`` for the model's embedding
+        routine to find (``patches/mm_embed_routine.py``).
     """
 
     run_extend: Callable
@@ -38,6 +40,7 @@ class ExtendContext:
     views: tuple[RowView | None, ...]
     shape: DecoderShape
     embeddings: EmbeddingPass
+    embedding_slot: EmbeddingSlot
 
     @property
     def reuses(self) -> bool:

@@ -6,8 +6,9 @@ built once (SGLang's ``prepare_mm_inputs``, vision encoder and its cache
 included) and each pass takes its active rows, of the input embeddings and of
 every per-token input the language model also takes (Qwen3-VL's DeepStack
 features, ``input_deepstack_embeds``). SGLang's eager runner copies the
-ForwardBatch before the model sees it, so the pass travels in this module's
-state (scheduler thread) rather than as a batch attribute.
+ForwardBatch before the model sees it, so the pass travels in the process's
+:class:`EmbeddingSlot` (one, on the published runtime) rather than as a batch
+attribute.
 """
 
 from __future__ import annotations
@@ -39,18 +40,19 @@ class EmbeddingPass:
         return {name: rows[self.index] for name, rows in self.token_inputs.items()}
 
 
-_current: EmbeddingPass | None = None
+class EmbeddingSlot:
+    """The embedding pass of the refresh pass running now in this process, if any
+    (``patches/mm_embed_routine.py`` reads it; the scheduler runs one forward at a
+    time)."""
 
+    def __init__(self) -> None:
+        self.current: EmbeddingPass | None = None
 
-@contextmanager
-def embedding_pass(state: EmbeddingPass) -> Iterator[EmbeddingPass]:
-    global _current
-    previous, _current = _current, state
-    try:
-        yield state
-    finally:
-        _current = previous
-
-
-def current_embedding_pass() -> EmbeddingPass | None:
-    return _current
+    @contextmanager
+    def using(self, state: EmbeddingPass) -> Iterator[EmbeddingPass]:
+        """``state`` is the current pass while the block runs."""
+        previous, self.current = self.current, state
+        try:
+            yield state
+        finally:
+            self.current = previous

@@ -36,7 +36,7 @@ import torch
 
 from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.cost import refresh_rows, unchanged_prefix
-from sgl_mmkv.refresh.embedding_pass import embedding_pass
+from sgl_mmkv.refresh.embedding_pass import EmbeddingSlot
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.kv_copy import SegmentCopier
@@ -97,14 +97,18 @@ class RefreshExecutor:
         ranker: VisualRanker | None = None,
         row_compactor: RowCompactor | None = None,
         on_forward: Callable[[], None] | None = None,
+        embedding_slot: EmbeddingSlot | None = None,
     ) -> RefreshExecutor:
         """The executor of a server started with ``config``."""
         counters = RefreshCounters()
+        slot = embedding_slot or EmbeddingSlot()
         copier = SegmentCopier()
         budget = config.mm_refresh_budget
         compress = ranker.budget if ranker is not None and config.mm_compress_at == "fill" else None
         return cls(
-            ExtendPlanner(store, scorer, budget, config.mm_reuse_gate, counters, row_compactor),
+            ExtendPlanner(
+                store, scorer, budget, config.mm_reuse_gate, counters, row_compactor, slot
+            ),
             copier,
             TokenSelector(scorer, budget, copier, counters),
             SegmentFiller(store, counters, config.mm_segment_fill, compress),
@@ -230,5 +234,5 @@ def _answer_as_stock(run_extend: Callable, forward_batch, ctx: ExtendContext | N
     if embeddings is None or embeddings.embeds is None:
         return run_extend(forward_batch)
     embeddings.index = torch.arange(embeddings.embeds.shape[0], device=embeddings.embeds.device)
-    with embedding_pass(embeddings):
+    with ctx.embedding_slot.using(embeddings):
         return run_extend(forward_batch)

@@ -12,7 +12,6 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 
 from sgl_mmkv.refresh.attention_backend import QueryCapture, RefreshAttentionBackend
 from sgl_mmkv.refresh.context import ExtendContext
-from sgl_mmkv.refresh.embedding_pass import embedding_pass
 from sgl_mmkv.refresh.observer import PrefillObserver, observing
 from sgl_mmkv.refresh.sub_batch import active_sub_batch
 
@@ -43,7 +42,7 @@ def run_pass(
     with (
         observing(observer, runner.model, backend) as backend,
         forward_context(ForwardContext(attn_backend=backend), forward_batch=sub),
-        embedding_pass(ctx.embeddings),
+        ctx.embedding_slot.using(ctx.embeddings),
     ):
         return ctx.run_extend(sub)
 

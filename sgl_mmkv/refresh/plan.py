@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sgl_mmkv.segments.key import UNTAGGED, SegmentKey, item_key, read_namespace
+from sgl_mmkv.segments.key import UNTAGGED, SegmentKey, item_key, item_span, read_namespace
 from sgl_mmkv.segments.store import Segment, SegmentStore
 
 
@@ -132,22 +132,6 @@ class RequestPlan:
         for s in self.spans:
             mask[s.reused_positions() - self.prefix_len] = True
         return mask
-
-
-def item_span(item) -> tuple[int, int] | None:
-    """``[start, end)`` from an item's first placeholder run to its last, else None.
-
-    An item laid out in several runs (Pixtral / LLaVA: one run of ``[IMG]`` per
-    patch row, ``[IMG_BREAK]`` between rows) is one span with its separators: the
-    processor emits them inside that one image's expansion, fixed by the image
-    itself, so they belong to its segment like its placeholder tokens.
-    """
-    offsets = sorted((int(s), int(e)) for s, e in item.offsets or [])
-    if not offsets or item.hash is None:
-        return None
-    if any(s <= e for (_, e), (s, _) in zip(offsets, offsets[1:], strict=False)):
-        return None  # overlapping runs: not one image's layout
-    return offsets[0][0], offsets[-1][1] + 1
 
 
 def row_positions(mm_inputs, start: int, end: int) -> torch.Tensor:

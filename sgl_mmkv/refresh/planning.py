@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.cost import reuse_flops
-from sgl_mmkv.refresh.embedding_pass import EmbeddingPass
+from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
@@ -46,6 +46,7 @@ class ExtendPlanner:
     gate: ``--mm-reuse-gate``: ``cost`` or ``always``.
     counters: the executor's counters (``stock_batches``, ``declined_reuses``).
     compactor: the row compactor, when rows may shrink after their prefill.
+    embedding_slot: the process's embedding slot, for the contexts' passes.
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class ExtendPlanner:
         gate: str,
         counters: RefreshCounters,
         compactor: RowCompactor | None = None,
+        embedding_slot: EmbeddingSlot | None = None,
     ) -> None:
         if gate not in GATES:
             raise ValueError(f"unknown reuse gate {gate!r}; choose one of {', '.join(GATES)}")
@@ -65,6 +67,7 @@ class ExtendPlanner:
         self.gate = gate
         self.counters = counters
         self.compactor = compactor
+        self.embedding_slot = embedding_slot or EmbeddingSlot()
         self._shape: DecoderShape | None = None
 
     def plan(self, run_extend: Callable, model_runner, forward_batch) -> ExtendContext:
@@ -88,6 +91,7 @@ class ExtendPlanner:
             embeddings=EmbeddingPass(
                 full_batch=forward_batch, stock_backend=model_runner.attn_backend
             ),
+            embedding_slot=self.embedding_slot,
         )
 
     def _finish(self, forward_batch, plan: RequestPlan, every_row: bool) -> RequestPlan:

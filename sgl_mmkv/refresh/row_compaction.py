@@ -22,10 +22,11 @@ shrinks every length SGLang keeps for the request by the dropped count ``d``:
 
 Positions stay right through a per-request offset. With M-RoPE a decode token's
 position is ``seq_len - 1 + mrope_position_delta``, so the delta grows by ``d``.
-1-D RoPE models derive it from ``seq_len`` alone, so the request's
-``sgl_mmkv_position_offset`` grows by ``d`` and ``patches/forward_batch_positions.py``
-adds it to every later position. The kept tokens' KV already carries its rotary
-positions. Decode-time compression is still refused for 1-D RoPE models at start-up.
+1-D RoPE models derive it from ``seq_len`` alone, so the request's position offset
+(:meth:`RowCompactor.position_offset`) grows by ``d`` and
+``patches/forward_batch_positions.py`` adds it to every later position. The kept
+tokens' KV already carries its rotary positions. Decode-time compression is still
+refused for 1-D RoPE models at start-up.
 
 A compacted row is not the KV of its token ids, so the request is kept out of the
 radix tree (``skip_radix_cache_insert``). A row with holes that cannot be shrunk is
@@ -46,7 +47,6 @@ from sgl_mmkv.counters import Counters
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.ranker import Span
-from sgl_mmkv.refresh.row_positions import POSITION_OFFSET, position_offset
 from sgl_mmkv.scoring.base import top_tokens
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,6 @@ class SavedRequestState:
     mrope_positions: torch.Tensor | None
     mrope_position_delta: torch.Tensor | None
     skip_radix_cache_insert: bool
-    position_offset: int = 0
 
 
 def dropped_positions(budget: float, ranked: dict[Span, torch.Tensor]) -> torch.Tensor:
@@ -116,6 +115,7 @@ class RowCompactor:
         self.counters = RowCompactionCounters()
         self._pending: dict[int, RowPlan] = {}  # req_to_token row -> plan
         self._saved: dict[str, SavedRequestState] = {}  # rid -> state to restore
+        self._offsets: dict[str, int] = {}  # rid -> row shorter than the sequence by
         self._admitted: frozenset[str] = frozenset()  # rids of the coming forward
 
     def admit(self, batch) -> None:
@@ -131,6 +131,11 @@ class RowCompactor:
             and getattr(req, "session", None) is None
             and req.multimodal_inputs is not None
         )
+
+    def position_offset(self, rid: str) -> int:
+        """How far the row of 1-D RoPE request ``rid`` is shorter than its sequence
+        (0 unless holes left it): what its decode positions move up by."""
+        return self._offsets.get(rid, 0)
 
     def may_shrink(self, rid: str) -> bool:
         """Whether the row of ``rid`` may lose positions after the current forward."""
@@ -224,7 +229,6 @@ class RowCompactor:
             None if mm is None else mm.mrope_positions,
             None if mm is None else mm.mrope_position_delta,
             req.skip_radix_cache_insert,
-            position_offset(req),
         )
 
     def _shrink(self, batch, i: int, req, plan: RowPlan, req_to_token_pool, allocator) -> None:
@@ -256,7 +260,7 @@ class RowCompactor:
             mm.mrope_position_delta_repeated_cache = None
             mm.mrope_positions = None  # decode must derive positions from the delta
         else:
-            setattr(req, POSITION_OFFSET, position_offset(req) + d)
+            self._offsets[req.rid] = self.position_offset(req.rid) + d
         holes = int(plan.holes.numel())
         if holes:
             self.counters.holed_requests += 1
@@ -282,4 +286,4 @@ class RowCompactor:
             mm.mrope_position_delta = saved.mrope_position_delta
             mm.mrope_position_delta_repeated_cache = None
         req.skip_radix_cache_insert = saved.skip_radix_cache_insert
-        setattr(req, POSITION_OFFSET, saved.position_offset)
+        self._offsets.pop(req.rid, None)

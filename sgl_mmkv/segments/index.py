@@ -7,9 +7,10 @@ For every request the cache sees, each image item is classed once:
   i.e. KV that position-independent segment reuse could serve;
 - ``new``:      content not seen before.
 
-Content identity is SGLang's 64-bit item hash (sha256 of the processed feature,
-computed in the tokenizer process), never the 30-bit pad value. The index
-remembers the last ``capacity`` contents (LRU).
+Two images are the same when their segment keys are (:func:`~sgl_mmkv.segments.key.item_key`:
+namespace, content identity, modality, grid and length), the definition the segment
+store uses; never the 30-bit pad value. The index remembers the last ``capacity``
+keys (LRU).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_mmkv.counters import Counters
-from sgl_mmkv.segments.key import request_namespace
+from sgl_mmkv.segments.key import SegmentKey, item_key, item_span, request_namespace
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class SegmentIndex:
     def __init__(self, capacity: int = 4096, max_tracked_requests: int = 65536) -> None:
         self.capacity = capacity
         self.counters = SegmentCounters()
-        self._seen: OrderedDict[tuple, None] = OrderedDict()  # (namespace, item hash)
+        self._seen: OrderedDict[SegmentKey, None] = OrderedDict()
         self._observed_rids: OrderedDict[str, None] = OrderedDict()
         self._max_rids = max_tracked_requests
 
@@ -68,9 +69,11 @@ class SegmentIndex:
             offsets = item.offsets or []
             tokens = sum(end - start + 1 for start, end in offsets)
             last = max((end for _, end in offsets), default=-1)
+            span = item_span(item)
+            key = None if span is None else item_key(item, namespace, span[1] - span[0])
             if last < matched_len:
                 kind = "prefix"
-            elif item.hash is not None and (namespace, item.hash) in self._seen:
+            elif key is not None and key in self._seen:
                 kind = "reusable"
             else:
                 kind = "new"
@@ -79,8 +82,8 @@ class SegmentIndex:
             c.image_tokens += tokens
             setattr(c, f"{kind}_items", getattr(c, f"{kind}_items") + 1)
             setattr(c, f"{kind}_tokens", getattr(c, f"{kind}_tokens") + tokens)
-            if item.hash is not None:
-                self._remember(self._seen, (namespace, item.hash), self.capacity)
+            if key is not None:
+                self._remember(self._seen, key, self.capacity)
         return counts
 
     def forget_contents(self) -> None:

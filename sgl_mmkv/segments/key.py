@@ -70,6 +70,22 @@ def _grid(item: Any) -> tuple[int, ...]:
     return ()
 
 
+def item_span(item: Any) -> tuple[int, int] | None:
+    """``[start, end)`` from an item's first placeholder run to its last, else None.
+
+    An item laid out in several runs (Pixtral / LLaVA: one run of ``[IMG]`` per
+    patch row, ``[IMG_BREAK]`` between rows) is one span with its separators: the
+    processor emits them inside that one image's expansion, fixed by the image
+    itself, so they belong to its segment like its placeholder tokens.
+    """
+    offsets = sorted((int(s), int(e)) for s, e in item.offsets or [])
+    if not offsets or item.hash is None:
+        return None
+    if any(s <= e for (_, e), (s, _) in zip(offsets, offsets[1:], strict=False)):
+        return None  # overlapping runs: not one image's layout
+    return offsets[0][0], offsets[-1][1] + 1
+
+
 def item_key(item: Any, namespace: Namespace, num_tokens: int) -> SegmentKey:
     """The key of multimodal data item ``item`` (a ``MultimodalDataItem``) in
     ``namespace``, spanning ``num_tokens`` tokens."""

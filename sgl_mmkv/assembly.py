@@ -1,0 +1,79 @@
+"""The composition root of a refresh mode: this scheduler's runtime, built once.
+
+:func:`assemble_runtime` builds the segment store (with its L3 storage), the
+refresh scorer, the eviction ranker and row compactor of a scored ``--mm-evict``,
+and the refresh executor, from the config and the radix cache SGLang just built;
+``radix_cache.build_mmkv_radix_cache`` attaches the result to the cache and
+publishes it (``refresh/runtime.py``) for the patches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sgl_mmkv.config import ConfigError, MMKVConfig
+from sgl_mmkv.refresh.embedding_pass import EmbeddingSlot
+from sgl_mmkv.refresh.executor import RefreshExecutor
+from sgl_mmkv.refresh.ranker import VisualRanker, extend_image_spans, fill_spans
+from sgl_mmkv.refresh.row_compaction import RowCompactor
+from sgl_mmkv.refresh.runtime import MMKVRuntime
+from sgl_mmkv.scoring import make_eviction_scorer, make_refresh_scorer
+from sgl_mmkv.segments.store import SegmentStore
+
+logger = logging.getLogger(__name__)
+
+
+def assemble_runtime(config: MMKVConfig, cache: Any, identity: str) -> MMKVRuntime:
+    """This process's runtime for ``config`` over the pools of ``cache`` (the
+    ``MMKVRadixCache`` SGLang just built); ``identity`` is the served model's (the
+    storage fingerprint's part)."""
+    if cache.page_size != 1:
+        raise ConfigError(
+            f"--mm-reuse {config.mm_reuse} needs --page-size 1 (got {cache.page_size})"
+        )
+    allocator = cache.token_to_kv_pool_allocator
+    kv_pool = allocator.get_kvcache()
+    compress = config.mm_kv_budget if config.uses_scored_eviction else None
+    store = SegmentStore(allocator, kv_pool, compress, _storage(config, kv_pool, identity))
+    ranker, compactor = None, None
+    if config.uses_scored_eviction:
+        if config.compresses_at_decode or config.reuses_with_holes:
+            decode_budget = config.mm_kv_budget if config.compresses_at_decode else None
+            compactor = RowCompactor(decode_budget, holes=config.reuses_with_holes)
+        spans_of = extend_image_spans if config.compresses_at_decode else fill_spans
+        scorer = make_eviction_scorer(config.mm_evict)
+        ranker = VisualRanker(scorer, config.mm_kv_budget, spans_of)
+    slot = EmbeddingSlot()
+    executor = RefreshExecutor.from_config(
+        config,
+        store,
+        make_refresh_scorer(config.mm_reuse, **config.refresh_scorer_knobs()),
+        ranker,
+        compactor,
+        on_forward=cache.publish_metrics,
+        embedding_slot=slot,
+    )
+    return MMKVRuntime(store, executor, compactor, slot, identity, cache.metrics)
+
+
+def _storage(config: MMKVConfig, kv_pool, identity: str):
+    """The L3 segment storage of ``--mm-segment-storage``, or None."""
+    if not config.uses_segment_storage:
+        return None
+    from sgl_mmkv.segments.storage import KVFingerprint, StorageLimits, open_storage
+
+    storage = open_storage(
+        config.mm_segment_storage,
+        KVFingerprint.of_pool(kv_pool, identity, config.mm_segment_fill),
+        config.mm_segment_storage_dir or None,
+        config.storage_extra_config(),
+        StorageLimits.of_config(config),
+    )
+    logger.info(
+        "sgl_mmkv: segment storage %s dir=%r fingerprint=%s",
+        config.mm_segment_storage,
+        config.mm_segment_storage_dir,
+        storage.fingerprint,
+    )
+    return storage
