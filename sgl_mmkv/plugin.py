@@ -49,6 +49,7 @@ def _patches_for(config) -> list:
             patches.mm_embed_routine,
             patches.mm_processor_flush,
             patches.tokenizer_caller_hashes,
+            patches.scheduler_runtime_check,
         ]
     if config.compresses_at_decode or config.reuses_with_holes:
         modules.append(patches.scheduler_run_batch)
@@ -66,10 +67,18 @@ def _install(config) -> None:
 
 def verify_hooks() -> None:
     """Raise unless SGLang applied every hook this process registered (its registry
-    only logs a target it could not patch)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    only logs a target it could not patch): each target must now be a hook wrapper,
+    which carries the original as ``__wrapped__``."""
+    import pkgutil
 
-    missing = [t for t in REGISTERED_TARGETS if t not in HookRegistry._patched]
+    def applied(target: str) -> bool:
+        owner, name = target.rsplit(".", 1)
+        try:
+            return hasattr(getattr(pkgutil.resolve_name(owner), name), "__wrapped__")
+        except (ImportError, AttributeError, ValueError):
+            return False
+
+    missing = [t for t in REGISTERED_TARGETS if not applied(t)]
     if missing:
         raise RuntimeError(
             f"SGLang did not apply sgl_mmkv's hooks to {', '.join(missing)}: the patched "

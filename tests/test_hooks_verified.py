@@ -23,7 +23,7 @@ def test_each_mode_registers_its_patches():
         }.items()
     }
     assert targets["off"] == [] and targets["exact"] == []
-    assert len(targets["conduit"]) == 4 and len(targets["report"]) == 5
+    assert len(targets["conduit"]) == 5 and len(targets["report"]) == 6
 
 
 def test_a_hook_sglang_did_not_apply_stops_the_start(monkeypatch, tmp_path):

@@ -162,11 +162,15 @@ SCHEDULER_CASES = [
 ]
 
 
-def _stock_launch(model, log: Path, config: dict, extra: list[str]) -> tuple[int, str]:
-    """Start stock SGLang with sgl_mmkv's radix cache; return its exit status and log
-    once it exits (a server that comes up instead is stopped and fails the test)."""
+def _stock_launch(
+    model, log: Path, config: dict, extra: list[str], backend: bool = True
+) -> tuple[int, str]:
+    """Start stock SGLang with sgl_mmkv's config in the environment (and its radix cache
+    unless ``backend`` is False); return its exit status and log once it exits (a
+    server that comes up instead is stopped and fails the test)."""
     env = {**stock_cpu_env(), CONFIG_ENV: json.dumps(config)}
-    args = [*CPU_SERVER_ARGS, "--radix-cache-backend", "sgl_mmkv", *extra]
+    backend_flag = ["--radix-cache-backend", "sgl_mmkv"] if backend else []
+    args = [*CPU_SERVER_ARGS, *backend_flag, *extra]
     server = ServerProcess("sglang.launch_server", model, args, log, env=env)
     try:
         server.start(timeout_s=600, attempts=1)
@@ -184,7 +188,13 @@ def scheduler_refusals(tiny_vlm, tmp_path_factory) -> dict[str, tuple[int, str]]
             name: pool.submit(_stock_launch, tiny_vlm, logs / f"{i}.log", config, extra)
             for i, (name, config, extra, _) in enumerate(SCHEDULER_CASES)
         }
+        futures[NO_BACKEND] = pool.submit(
+            _stock_launch, tiny_vlm, logs / "no-backend.log", {"mm_reuse": "conduit"}, [], False
+        )
         return {name: future.result() for name, future in futures.items()}
+
+
+NO_BACKEND = "refresh mode without sgl_mmkv's radix cache"
 
 
 @pytest.mark.parametrize(
@@ -200,6 +210,15 @@ def test_stock_launch_with_our_cache_is_checked_in_the_scheduler(
     assert len(reasons) == 1, log[-3000:]
     assert named in reasons[0]
     assert "radix cache active" not in log
+
+
+def test_a_refresh_mode_without_our_cache_is_refused_at_start(scheduler_refusals):
+    """The forward patches are registered, but no cache published their runtime: the
+    scheduler stops at start-up with one line, not on the first request."""
+    returncode, log = scheduler_refusals[NO_BACKEND]
+    assert returncode != 0
+    prefix = "sgl_mmkv.config.ConfigError: sgl_mmkv refuses to start: its refresh mode runs only"
+    assert sum(line.startswith(prefix) for line in log.splitlines()) == 1, log[-3000:]
 
 
 @pytest.fixture()

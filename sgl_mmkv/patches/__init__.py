@@ -12,6 +12,7 @@ from sgl_mmkv.patches import (  # noqa: E402
     mm_processor_flush,
     scheduler_internal_state,
     scheduler_run_batch,
+    scheduler_runtime_check,
     tokenizer_caller_hashes,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "mm_embed_routine",
     "mm_processor_flush",
     "scheduler_internal_state",
+    "scheduler_runtime_check",
     "tokenizer_caller_hashes",
 ]
