@@ -277,3 +277,25 @@ def test_rows_with_holes_that_cannot_shrink_never_decode_nor_enter_the_tree():
     for req in reqs:  # release puts the tree flag back once the row is gone
         compactor.restore(req)
         assert not req.skip_radix_cache_insert
+
+
+def test_compaction_waits_for_the_forward_stream_under_overlap_on_a_gpu(monkeypatch):
+    """The scheduler's stream waits (device-side) for the forward stream before a row
+    is edited; nothing to wait for without overlap or on the CPU."""
+    from sgl_mmkv.patches import scheduler_run_batch
+
+    waited = []
+    current = SimpleNamespace(wait_stream=waited.append)
+    monkeypatch.setattr(
+        torch, "get_device_module", lambda device: SimpleNamespace(current_stream=lambda: current)
+    )
+    gpu_stream = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    for overlap, stream, expected in [
+        (True, gpu_stream, [gpu_stream]),
+        (False, gpu_stream, []),
+        (True, SimpleNamespace(device=None), []),  # torch.cpu.Stream has no device
+    ]:
+        waited.clear()
+        scheduler = SimpleNamespace(enable_overlap=overlap, forward_stream=stream)
+        scheduler_run_batch.wait_for_forward(scheduler)
+        assert waited == expected

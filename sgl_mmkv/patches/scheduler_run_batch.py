@@ -7,7 +7,12 @@ rows that drop tokens are kept out of the radix tree and shrunk
 (:class:`~sgl_mmkv.refresh.row_compaction.RowCompactor`). Doing it here, before the
 scheduler builds the next batch from this one, keeps it right under the overlap
 scheduler too: that builds the next decode batch before it processes this batch's
-result. The stock method's result is returned untouched.
+result. On a GPU under the overlap scheduler the forward runs on SGLang's forward
+stream while this runs on the scheduler's: the scheduler's stream first waits for
+the forward (a device-side wait, no host sync) so the row is not edited while the
+forward still reads it, and the next forward waits for the scheduler's stream
+(stock SGLang's own ``forward_stream.wait_stream(schedule_stream)``). The stock
+method's result is returned untouched.
 """
 
 from __future__ import annotations
@@ -30,12 +35,27 @@ def run_batch_with_row_compaction(original, scheduler: Any, batch: Any, *args, *
         logger.warning("sgl_mmkv: row compaction admission failed (%r)", error)
     result = original(scheduler, batch, *args, **kwargs)
     try:
+        if compactor.pending:
+            wait_for_forward(scheduler)
         compactor.compact(batch, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator)
     except Exception as error:  # never the reason the scheduler dies: leave rows whole
         compactor.abandon()
         compactor.counters.failures += 1
         logger.warning("sgl_mmkv: row compaction failed (%r); rows left whole", error)
     return result
+
+
+def wait_for_forward(scheduler: Any) -> None:
+    """Order the scheduler's stream after the forward stream (overlap on a GPU)."""
+    stream = getattr(scheduler, "forward_stream", None)
+    if not getattr(scheduler, "enable_overlap", False) or stream is None:
+        return
+    device = getattr(stream, "device", None)
+    if getattr(device, "type", "cpu") == "cpu":
+        return
+    import torch
+
+    torch.get_device_module(device).current_stream().wait_stream(stream)
 
 
 def register() -> None:

@@ -132,6 +132,11 @@ class RowCompactor:
             and req.multimodal_inputs is not None
         )
 
+    @property
+    def pending(self) -> bool:
+        """Whether rows are planned to shrink after the current forward."""
+        return bool(self._pending)
+
     def position_offset(self, rid: str) -> int:
         """How far the row of 1-D RoPE request ``rid`` is shorter than its sequence
         (0 unless holes left it): what its decode positions move up by."""
