@@ -34,6 +34,7 @@ the pool's tensors stays on their device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import replace
 from types import SimpleNamespace
@@ -46,11 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv, rope_inv_freq, rotate_neox
 from sgl_mmkv.refresh.cost import refresh_rows, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.kv_copy import SegmentCopier
+from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.observer import PrefillObserver
 from sgl_mmkv.refresh.plan import FillCandidate, RequestPlan, ReuseSpan, plan_request
 from sgl_mmkv.refresh.ranker import VisualRanker
 from sgl_mmkv.refresh.row_compaction import RowCompactor, dropped_positions
-from sgl_mmkv.refresh.row_kv import row_keys, row_kv
+from sgl_mmkv.refresh.row_kv import row_keys, row_kv, row_kv_at, row_slots
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.refresh.sub_batch import active_sub_batch
 from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS, ScoringInputs, top_tokens
@@ -262,8 +264,8 @@ SCORERS = [(REFRESH_SCORERS, name) for name in sorted(REFRESH_SCORERS)] + [
 SCORER_IDS = [name for _, name in SCORERS]
 # Scorers whose host syncs may grow with the layers scored, and why.
 PER_LAYER_SYNCS = {
-    "aircache": "each layer's elite rows are a data-dependent set (nonzero), and its "
-    "layer budgets are capped one layer at a time",
+    "aircache": "its layer budgets are capped one layer at a time, after the pass "
+    "(each layer's elite set stays a mask on the device)",
 }
 
 
@@ -525,6 +527,17 @@ def test_a_row_is_read_on_the_pool_device_without_a_sync():
     assert audit.syncs == [] and audit.uploads == 0
 
 
+def test_one_layer_of_some_row_positions_is_read_on_the_pool_device():
+    pool, table = Pool(3), request_table()
+    positions = torch.tensor([3, 7, 8, 20])
+    keys, values = row_kv(runner(pool, table), batch(False), 1)
+    with DeviceAudit() as audit:
+        k, v = row_kv_at(runner(pool.on_device(), on_device(table)), batch(True), 1, 2, positions)
+    assert_on_device(k, v)
+    assert torch.equal(host(k), keys[2][positions]) and torch.equal(host(v), values[2][positions])
+    assert audit.syncs == [] and audit.uploads == 1  # the positions
+
+
 def test_a_row_view_moves_its_index_once_for_every_layer():
     plan = reuse_plan()
     view = RowView.of(plan)
@@ -725,6 +738,118 @@ def test_the_ranker_ranks_on_the_pool_device_without_copying_keys_to_the_host(na
     for got, want in zip(rankings, expected, strict=True):
         torch.testing.assert_close(host(got), want, rtol=0, atol=0)
     assert audit.downloads == []
+
+
+# -- per-layer reductions: the scoring pass and the observer --------------------------------
+
+REDUCING = [(r, n) for r, n in SCORERS if r[n]().layer_reduction() is not None]
+
+
+def test_every_attention_scorer_reduces_layer_by_layer():
+    assert sorted(n for _, n in REDUCING) == [
+        "aircache",
+        "conduit",
+        "mmshiftkv",
+        "prophetkv",
+        "snapkv",
+    ]
+
+
+def _reduced_row() -> ReducedRow:
+    """Request 1's text rows (before, between and after the images) and two images."""
+    visual = torch.zeros(SEQ, dtype=torch.bool)
+    for s, e in SPANS:
+        visual[s:e] = True
+    return ReducedRow((~visual).nonzero().flatten(), SPANS)
+
+
+def _reduce(scorer, layers: int, device: bool):
+    """Every layer of a pass reduced for request 1 of ``batch``; returns the
+    statistics' scoring inputs (select / ranking read those alone) and the audit."""
+    g = torch.Generator().manual_seed(3)
+    pool, table = Pool(layers), request_table()
+    row = _reduced_row()
+    queries = [torch.randn(row.query_positions.numel(), H_Q, D, generator=g) for _ in range(layers)]
+    stats = [(torch.tensor(0.1 * i), torch.tensor(1.0 + 0.2 * i), HIDDEN) for i in range(layers)]
+    projector = scoring_inputs(layers).project_queries
+    audit = DeviceAudit()
+    if device:
+        pool, table, queries, stats = (
+            pool.on_device(),
+            on_device(table),
+            *on_device((queries, stats)),
+        )
+        projector = projector.on_device()
+    with audit if device else contextlib.nullcontext():
+        reducer = LayerStatistics(scorer, {1: row}, projector)
+        slots = row_slots(SimpleNamespace(req_to_token=table), batch(device), 1)
+        for layer in range(layers):
+            k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            reducer.reduce(1, layer, queries[layer], k, v, slots, stats[layer])
+        layer_syncs = list(audit.syncs)
+        inputs = reducer.inputs(1, k.device)
+        chosen, ranking = scorer.select(inputs, BUDGET), scorer.ranking(inputs, BUDGET)
+    return inputs, chosen, ranking, audit, layer_syncs
+
+
+@pytest.mark.parametrize(("registry", "name"), REDUCING, ids=[n for _, n in REDUCING])
+def test_a_layer_reduction_runs_on_the_pool_device_without_a_sync(
+    registry, name, reference_kernels
+):
+    """The statistics a pass keeps, and the selection read from them, stay on the
+    pool's device; the layers never wait for it and move nothing more with more
+    layers (the positions go once)."""
+    knobs = {"num_samples": 64, "samples_per_group": 8} if name == "mmshiftkv" else {}
+    scorer = registry[name](**knobs)
+    want, want_chosen, want_ranking, _, _ = _reduce(scorer, 2, device=False)
+    got, chosen, ranking, audit, layer_syncs = _reduce(scorer, 2, device=True)
+    assert_on_device(got.layer_statistics, chosen, ranking)
+    exact = {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(host(got.layer_statistics), want.layer_statistics, **exact)
+    assert torch.equal(host(chosen), want_chosen)
+    torch.testing.assert_close(host(ranking), want_ranking, **exact)
+    assert layer_syncs == []
+    *_, more, more_layer_syncs = _reduce(scorer, 4, device=True)
+    assert more_layer_syncs == [] and more.uploads - audit.uploads == (
+        2 if name == "mmshiftkv" else 0  # its proxies' noise, drawn on the host per layer
+    )
+
+
+def test_the_observer_reduces_each_layer_on_the_device_and_keeps_no_query():
+    """A streaming observer: each layer's queries wait for the layer's attention, then
+    the row read in place from the pool is reduced and they are dropped."""
+    lens = [5, SEQ]
+    g = torch.Generator().manual_seed(0)
+    row = _reduced_row()
+    qs = [torch.randn(5 + SEQ, H_Q * D, generator=g) for _ in range(3)]
+    pool, table = Pool(3), request_table()
+
+    def observe(device: bool):
+        fb = SimpleNamespace(extend_seq_lens_cpu=lens, **vars(batch(device)))
+        backend = SimpleNamespace(
+            token_to_kv_pool=pool.on_device() if device else pool,
+            req_to_token_pool=SimpleNamespace(req_to_token=on_device(table) if device else table),
+        )
+        scorer = EVICTION_SCORERS["snapkv"]()
+        observer = PrefillObserver(
+            {1: row.query_positions}, statistics=LayerStatistics(scorer, {1: row})
+        )
+        for layer_id, q in enumerate(on_device(qs) if device else qs):
+            layer = SimpleNamespace(tp_q_head_num=H_Q, qk_head_dim=D, layer_id=layer_id)
+            observer.observe_queries(q, layer, fb)
+            observer.observe_attention(layer, fb, backend)
+        return observer
+
+    expected = observe(False)
+    with DeviceAudit() as audit:
+        observer = observe(True)
+    assert audit.syncs == [] and observer.queries == {} and observer._pending == {}
+    for layer_id in range(3):
+        got = observer.statistics.statistics[1][layer_id]
+        assert_on_device(got)
+        want = expected.statistics.statistics[1][layer_id]
+        assert got.shape == (H_KV, sum(e - s for s, e in SPANS))
+        torch.testing.assert_close(host(got), want, rtol=0, atol=0)
 
 
 # -- row compaction -----------------------------------------------------------------------

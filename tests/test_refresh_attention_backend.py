@@ -22,8 +22,14 @@ from sgl_mmkv.refresh.attention_backend import (  # noqa: E402
     QueryCapture,
     RefreshAttentionBackend,
 )
+from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow  # noqa: E402
 from sgl_mmkv.refresh.row_view import RowView  # noqa: E402
 from sgl_mmkv.refresh.sub_batch import active_sub_batch  # noqa: E402
+from sgl_mmkv.scoring import (  # noqa: E402
+    ScoringInputs,
+    make_eviction_scorer,
+    make_refresh_scorer,
+)
 
 TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 H_Q, H_KV, D, LAYERS = 4, 2, 16, 2
@@ -185,6 +191,73 @@ def test_forward_extend_reads_no_tensor_on_the_host(kernel, monkeypatch):
     assert sorted(capture.queries[1]) == [0, 1]
     with pytest.raises(AssertionError, match="host sync"), NoHostSync():
         int(torch.tensor([3]).sum())  # the guard itself catches a sync
+
+
+def _reducing_capture(scorer) -> QueryCapture:
+    """Requests 1 (whole row) and 2 (holes) scored: the last queries of each (the
+    last alone if the scorer reads that one, as the selector narrows them), an image
+    span of each in the row without holes."""
+    rows = {1: torch.tensor([6, 7, 8]), 2: torch.tensor([3, 4, 5])}
+    positions = {1: torch.tensor([6, 7, 8]), 2: _view(2).compact(torch.tensor([25, 40, 44]))}
+    if scorer.layer_reduction().last_query_only:
+        rows = {i: r[-1:] for i, r in rows.items()}
+        positions = {i: p[-1:] for i, p in positions.items()}
+    spans = {1: ((1, 5),), 2: ((20, 24), (26, 36))}
+    reduced = {i: ReducedRow(positions[i], spans[i]) for i in rows}
+    return QueryCapture(rows, statistics=LayerStatistics(scorer, reduced))
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+@pytest.mark.parametrize(
+    "scorer",
+    [
+        make_refresh_scorer("conduit"),
+        make_refresh_scorer("conduit", layers=[1], query_span="last_text"),
+        make_eviction_scorer("snapkv"),
+        make_eviction_scorer("aircache"),
+    ],
+    ids=["conduit", "conduit-layer-1", "snapkv", "aircache"],
+)
+def test_a_scoring_reduction_in_the_layers_reads_no_tensor_on_the_host(kernel, scorer, monkeypatch):
+    """With a scorer's per-layer reduction active, each layer still does no host
+    read; it keeps a ``(..., N_v)`` statistic per request and reduced layer, equal
+    to the scorer's own statistic of the row read from the pool after the pass, and
+    no query."""
+    if kernel == "triton" and not TRITON_RUNS:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv(kernels.KERNEL_ENV, kernel)
+    pool, req_pool, batch, positions, qkv, layers = _pass(seed=3)
+    capture = _reducing_capture(scorer)
+    views = [_view(i) for i in range(3)]
+    backend = RefreshAttentionBackend(req_pool, pool, positions, capture, views)
+    backend.init_forward_metadata(batch)
+    with NoHostSync():
+        for layer, (q, k, v) in zip(layers, qkv, strict=True):
+            backend.forward_extend(q, k, v, layer, batch)
+    reduced = capture.statistics.statistics
+    assert capture.queries == {}
+    expected_layers = [1] if scorer.layer_reduction().layers == (1,) else [0, 1]
+    for i, start in ((1, 4), (2, 13)):
+        assert sorted(reduced[i]) == expected_layers
+        row = req_pool.req_to_token[batch.req_pool_indices[i], : SEQ_LENS[i]].long()
+        view = views[i]
+        if view is not None:
+            row = row[view.kept]
+        inputs = capture.statistics.inputs(i, torch.device("cpu"))
+        for layer_id in expected_layers:
+            q_ = qkv[layer_id][0].view(-1, H_Q, D)[capture.rows[i] + start]
+            keys = pool.get_key_buffer(layer_id)[row]
+            whole = ScoringInputs(
+                queries=(q_,),
+                keys=(keys,),
+                values=(pool.get_value_buffer(layer_id)[row],),
+                query_positions=inputs.query_positions,
+                image_spans=inputs.image_spans,
+                layer_ids=(layer_id,),
+            )
+            want = scorer.layer_statistic(whole.layer(0, int(inputs.query_positions[-1])))
+            assert reduced[i][layer_id].shape[-1] == inputs.num_visual
+            torch.testing.assert_close(reduced[i][layer_id], want, rtol=1e-5, atol=1e-7)
 
 
 def test_sub_batches_are_marked_planned_for_our_backends():

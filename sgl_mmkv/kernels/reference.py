@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 27  # scores per chunk of queries in attention_mass_reference: 512 MiB fp32
+CHUNK_ELEMENTS = 1 << 25  # scores per chunk of queries in attention_mass_reference: 128 MiB fp32
 
 
 def causal_probs(
@@ -24,7 +24,7 @@ def causal_probs(
 
     Key ``j`` sits at ``key_positions[j]`` (default ``j``); query ``i`` sees the keys at
     positions ``<= query_positions[i]``. GQA: each KV head serves ``H_q / H_kv``
-    consecutive query heads.
+    consecutive query heads (the keys are not repeated per query head).
 
     Args:
         queries: ``(n_q, H_q, d)``, RoPE applied.
@@ -42,12 +42,13 @@ def causal_probs(
     device = keys.device
     if key_positions is None:
         key_positions = torch.arange(n, device=device)
-    k = keys.float().repeat_interleave(h_q // h_kv, dim=1)  # (n, H_q, d)
-    logits = torch.einsum("qhd,khd->hqk", queries.float().to(device), k)
-    logits = logits / d**0.5 if scale is None else logits * scale
+    grouped = queries.float().to(device).view(n_q, h_kv, h_q // h_kv, d)
+    logits = torch.einsum("qkgd,nkd->kgqn", grouped, keys.float()).reshape(h_q, n_q, n)
+    logits.mul_(d**-0.5 if scale is None else scale)
     visible = key_positions.to(device)[None, :] <= query_positions.to(device)[:, None]
-    logits = logits.masked_fill(~visible[None], float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    logits.masked_fill_(~visible[None], float("-inf"))
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # softmax in place: one buffer
+    return logits.div_(logits.sum(dim=-1, keepdim=True)).nan_to_num_(0.0)
 
 
 def attention_mass_reference(

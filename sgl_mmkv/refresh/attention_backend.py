@@ -15,7 +15,10 @@ pass, on the first layer (or when :meth:`~RefreshAttentionBackend.init_forward_m
 is called before the forward), into a :class:`RefreshPassPlan`; every layer then
 runs one batched :func:`~sgl_mmkv.kernels.refresh_attention.refresh_attention`
 launch with no host read of a tensor. With a :class:`QueryCapture` it also keeps
-the queries a scorer needs, per layer.
+the queries a scorer needs, per layer, or, with the capture's
+:class:`~sgl_mmkv.refresh.layer_statistics.LayerStatistics`, reduces them with the
+row, read through the plan's ``kv_indices``, to the scorer's per-layer statistic
+right after the layer's attention, and keeps only that.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sgl_mmkv.kernels.refresh_attention import (
     plan_refresh_attention,
     refresh_attention,
 )
+from sgl_mmkv.refresh.layer_statistics import LayerStatistics
 from sgl_mmkv.refresh.row_view import RowView
 
 
@@ -39,10 +43,33 @@ class QueryCapture:
     """Queries to keep: for request ``i``, the rows ``rows[i]`` of its active tokens.
 
     After the pass ``queries[i][layer]`` is ``(len(rows[i]), H_q, d)``, RoPE applied.
+    With ``statistics`` no query is kept: each reduced layer's queries and row go
+    into ``statistics`` (its rows' query positions in ``rows[i]`` order), the other
+    layers are skipped.
     """
 
     rows: dict[int, torch.Tensor]
     queries: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    statistics: LayerStatistics | None = None
+
+    def take(
+        self,
+        i: int,
+        layer_id: int,
+        queries: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        row_slots: torch.Tensor,
+    ) -> None:
+        """Request ``i``'s ``(len(rows[i]), H_q, d)`` queries at ``layer_id``, with its
+        row's ``(n,)`` pool slots in the layer's buffers."""
+        if self.statistics is None:
+            self.queries.setdefault(i, {})[layer_id] = queries.detach()
+        else:
+            self.statistics.reduce(i, layer_id, queries.detach(), k_buffer, v_buffer, row_slots)
+
+    def takes(self, layer_id: int) -> bool:
+        return self.statistics is None or self.statistics.reduces(layer_id)
 
 
 @dataclass(frozen=True)
@@ -123,6 +150,8 @@ class RefreshAttentionBackend(AttentionBackend):
             for i, rows in self.capture.rows.items():
                 packed = rows.to(torch.long).cpu() + attention.q_indptr[i]
                 captures[i] = packed.to(forward_batch.out_cache_loc.device)
+            if self.capture.statistics is not None:
+                self.capture.statistics.place(device)
         self.plan = RefreshPassPlan(attention, captures)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kw):
@@ -134,15 +163,14 @@ class RefreshAttentionBackend(AttentionBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
             )
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        out = refresh_attention(
-            q_,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.plan.attention,
-            layer.scaling,
-        )
-        for i, rows in self.plan.captures.items():
-            self.capture.queries.setdefault(i, {})[layer.layer_id] = q_[rows].detach()
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        attention = self.plan.attention
+        out = refresh_attention(q_, k_buffer, v_buffer, attention, layer.scaling)
+        if self.capture is not None and self.capture.takes(layer.layer_id):
+            for i, rows in self.plan.captures.items():
+                slots = attention.kv_indices[attention.kv_indptr[i] : attention.kv_indptr[i + 1]]
+                self.capture.take(i, layer.layer_id, q_[rows], k_buffer, v_buffer, slots)
         return out.view(q_.shape[0], -1)
 
     def forward_decode(self, *args, **kwargs):

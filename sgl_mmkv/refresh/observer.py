@@ -1,10 +1,13 @@
 """What an eviction scorer needs from a prefill, taken while the forward runs.
 
-:class:`PrefillObserver` keeps, per layer and per observed request, the queries
-of chosen rows (RoPE applied, as the attention backend receives them) and the
-global mean / std of the attention input (after ``input_layernorm``). It wraps
-whichever attention backend runs the pass (:class:`ObservingBackend`) and puts
-forward pre-hooks on the decoder's attention modules, so the stock extend and
+:class:`PrefillObserver` keeps, per layer and per observed request, the global
+mean / std of the attention input (after ``input_layernorm``) and either the
+queries of chosen rows (RoPE applied, as the attention backend receives them) or,
+with :class:`~sgl_mmkv.refresh.layer_statistics.LayerStatistics`, only the
+scorer's per-layer statistic: right after each layer's attention, those queries
+and the request's row, read in place from the pool, are reduced and dropped. It
+wraps whichever attention backend runs the pass (:class:`ObservingBackend`) and
+puts forward pre-hooks on the decoder's attention modules, so the stock extend and
 the refresh passes are observed alike. :class:`QueryProjector` computes a layer's
 queries for arbitrary inputs with the model's own ``qkv_proj`` and RoPE
 (MM-ShiftKV's proxies).
@@ -18,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
+
+from sgl_mmkv.refresh.layer_statistics import LayerStatistics
+from sgl_mmkv.refresh.row_kv import row_slots
 
 
 def decoder_attention_modules(model) -> list[torch.nn.Module]:
@@ -42,9 +48,13 @@ class PrefillObserver:
     Attributes:
         rows: request index in the pass -> ``(m,)`` int64 rows within that
             request's tokens of the pass whose queries are kept.
-        queries: request -> layer -> ``(m, H_q, d)`` in the forward's dtype.
+        queries: request -> layer -> ``(m, H_q, d)`` in the forward's dtype (empty
+            with ``statistics``).
         hidden_stats: request -> layer -> ``(mean, std, hidden_size)`` of the
             request's attention input in the pass, mean and std 0-dim float32.
+        statistics: optional; each layer's queries and row reduced to the scorer's
+            statistic after the layer's attention instead of kept (``rows[i]`` in
+            the order of its ``query_positions``).
     """
 
     rows: dict[int, torch.Tensor]
@@ -52,8 +62,13 @@ class PrefillObserver:
     hidden_stats: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = field(
         default_factory=dict
     )
+    statistics: LayerStatistics | None = None
     # (request, device) -> rows moved there, once for every layer
     _rows_on: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
+    # request -> the current layer's queries, until its attention ran (statistics)
+    _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # request -> the pool slots of its row (without holes), read once for every layer
+    _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def _spans(self, forward_batch) -> Iterator[tuple[int, int]]:
         """``(request, first token of the request in the pass)`` of the observed ones."""
@@ -71,10 +86,33 @@ class PrefillObserver:
         return self._rows_on[key]
 
     def observe_queries(self, q: torch.Tensor, layer, forward_batch) -> None:
+        if self.statistics is not None and not self.statistics.reduces(layer.layer_id):
+            return
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         for i, start in self._spans(forward_batch):
-            rows = self._device_rows(i, start, q.device)
-            self.queries.setdefault(i, {})[layer.layer_id] = q_[rows].detach()
+            queries = q_[self._device_rows(i, start, q.device)].detach()
+            if self.statistics is None:
+                self.queries.setdefault(i, {})[layer.layer_id] = queries
+            else:
+                self._pending[i] = queries
+
+    def observe_attention(self, layer, forward_batch, backend) -> None:
+        """After ``layer``'s attention (its K and V in ``backend``'s pool): the
+        pending queries and each request's row reduced to the layer's statistics."""
+        if self.statistics is None or not self._pending:
+            return
+        pool = backend.token_to_kv_pool
+        k_buffer = pool.get_key_buffer(layer.layer_id)
+        v_buffer = pool.get_value_buffer(layer.layer_id)
+        for i, queries in self._pending.items():
+            if i not in self._slots:
+                kept = self.statistics.rows[i].kept
+                self._slots[i] = row_slots(backend.req_to_token_pool, forward_batch, i, kept)
+            stats = self.hidden_stats.get(i, {}).get(layer.layer_id)
+            self.statistics.reduce(
+                i, layer.layer_id, queries, k_buffer, v_buffer, self._slots[i], stats
+            )
+        self._pending.clear()
 
     def observe_hidden(self, layer_id: int, hidden: torch.Tensor, forward_batch) -> None:
         counts = forward_batch.extend_seq_lens_cpu
@@ -86,6 +124,8 @@ class PrefillObserver:
     @contextmanager
     def hooks(self, model) -> Iterator[None]:
         """Forward pre-hooks on the decoder's attention modules while the pass runs."""
+        if self.statistics is not None and self.statistics.project_queries is None:
+            self.statistics.project_queries = QueryProjector(model)
         handles = []
         for module in decoder_attention_modules(model):
             layer_id = module.attn.layer_id
@@ -105,8 +145,10 @@ class PrefillObserver:
 
 
 class ObservingBackend:
-    """An attention backend that hands each layer's queries to an observer, then
-    runs ``inner`` unchanged (everything else is ``inner``'s)."""
+    """An attention backend that hands each layer's queries to an observer, runs
+    ``inner`` unchanged, then lets the observer read the layer's KV (everything else
+    is ``inner``'s; SGLang's backends keep their pools as ``token_to_kv_pool`` and
+    ``req_to_token_pool``)."""
 
     def __init__(self, inner, observer: PrefillObserver) -> None:
         self._inner = inner
@@ -114,7 +156,9 @@ class ObservingBackend:
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         self._observer.observe_queries(q, layer, forward_batch)
-        return self._inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        out = self._inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self._observer.observe_attention(layer, forward_batch, self._inner)
+        return out
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -2,8 +2,13 @@
 
 When ``--mm-evict`` names a scorer, the refresh executor observes the queries and
 attention inputs of the text tokens of each request with images to rank
-(:class:`~sgl_mmkv.refresh.observer.PrefillObserver`), and after the forward this
-ranker scores those images' tokens against the request's own row of KV. New
+(:class:`~sgl_mmkv.refresh.observer.PrefillObserver`); each layer's queries and the
+request's own row of KV are reduced to the scorer's per-layer statistic right after
+the layer's attention (:class:`~sgl_mmkv.refresh.layer_statistics.LayerStatistics`),
+and after the forward this ranker combines them into a ranking of those images'
+tokens. (:meth:`VisualRanker.rankings` is the same ranking from kept queries and a
+copy of the row's keys: the reference, and the path of a scorer without a
+per-layer reduction.) New
 images' rankings go into their segments (compression later keeps their top
 tokens); with ``--mm-compress-at decode`` every image of the extend is ranked and
 the request's own row keeps its top tokens for decoding.
@@ -15,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.observer import PrefillObserver, QueryProjector
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.row_kv import row_keys
@@ -62,16 +68,24 @@ class VisualRanker:
         ``active``: per request, the tokens the pass runs (a refresh pass); None for
         a whole extend.
         """
-        rows = {}
+        rows, reduced = {}, {}
         for plan in plans:
-            if not self.spans_of(plan):
+            spans = self.spans_of(plan)
+            if not spans:
                 continue
             text = plan.text_mask()
             text[-1] = True  # the last prompt token is always an observer
             if active is not None:
                 text = text[active[plan.index]]
             rows[plan.index] = text.nonzero().flatten()
-        return PrefillObserver(rows) if rows else None
+            mask = None if active is None else active[plan.index]
+            reduced[plan.index] = _reduced_row(plan, spans, rows[plan.index], mask)
+        if not rows:
+            return None
+        if self.scorer.layer_reduction() is None:
+            return PrefillObserver(rows)
+        statistics = LayerStatistics(self.scorer, reduced, self._projector)
+        return PrefillObserver(rows, statistics=statistics)
 
     def rank_batch(
         self,
@@ -88,6 +102,8 @@ class VisualRanker:
         ``views``: per request, the row view the forward used (built here if None)."""
         if observer is None:
             return {}
+        if observer.statistics is not None:
+            return self._rank_reduced(observer.statistics, model_runner, plans)
         ranked = {}
         for plan in plans:
             spans = self.spans_of(plan)
@@ -98,6 +114,24 @@ class VisualRanker:
                     observer, model_runner, forward_batch, plan, spans, mask, view
                 )
                 ranked[plan.index] = dict(zip(spans, rankings, strict=True))
+        return ranked
+
+    def _rank_reduced(
+        self, statistics: LayerStatistics, model_runner, plans: list[RequestPlan]
+    ) -> dict[int, dict[Span, torch.Tensor]]:
+        """:meth:`rank_batch` from the statistics the pass reduced."""
+        if statistics.project_queries is not None:
+            self._projector = statistics.project_queries
+        device = model_runner.token_to_kv_pool.get_key_buffer(0).device
+        ranked = {}
+        for plan in plans:
+            if plan.index not in statistics.rows:
+                continue
+            inputs = statistics.inputs(plan.index, device)
+            ranking = self.scorer.ranking(inputs, self.budget).float()
+            sizes = [end - start for start, end in inputs.image_spans]
+            spans = self.spans_of(plan)
+            ranked[plan.index] = dict(zip(spans, ranking.split(sizes), strict=True))
         return ranked
 
     def rankings(
@@ -136,3 +170,17 @@ class VisualRanker:
         )
         ranking = self.scorer.ranking(inputs, self.budget).float()
         return list(ranking.split([end - start for start, end in spans]))
+
+
+def _reduced_row(
+    plan: RequestPlan, spans: list[Span], rows: torch.Tensor, active: torch.Tensor | None
+) -> ReducedRow:
+    """What the observer reduces of ``plan``: the observed rows' positions and the
+    ranked spans in the row without its holes (as :meth:`VisualRanker.rankings`)."""
+    pass_rows = active if active is not None else torch.ones(plan.extend_len, dtype=torch.bool)
+    positions = plan.rows(pass_rows.bool())[rows]
+    view = RowView.of(plan)
+    if view is None:
+        return ReducedRow(positions, tuple(spans))
+    compacted = tuple(view.span(start, end) for start, end in spans)
+    return ReducedRow(view.compact(positions), compacted, view.kept)

@@ -7,16 +7,24 @@ from collections.abc import Sequence
 import torch
 
 
-def _row(model_runner, forward_batch, index: int) -> torch.Tensor:
+def row_slots(
+    req_to_token_pool, forward_batch, index: int, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(seq_len,)`` KV slot indices of request ``index``'s row, on the device of
-    ``req_to_token``; with the batch's ``seq_lens_cpu`` no host sync (its pool row is
-    picked by a device index, never read as a number)."""
+    ``req_to_token``; with ``kept`` ``(m,)`` (host row positions holding KV) only
+    those. With the batch's ``seq_lens_cpu`` no host sync (its pool row is picked by
+    a device index, never read as a number)."""
     seq_lens = forward_batch.seq_lens_cpu
     if seq_lens is None:
         seq_lens = forward_batch.seq_lens
     seq_len = int(seq_lens[index])
     pool_row = forward_batch.req_pool_indices[index : index + 1]
-    return model_runner.req_to_token_pool.req_to_token[pool_row, :seq_len][0]
+    row = req_to_token_pool.req_to_token[pool_row, :seq_len][0]
+    return row if kept is None else row[kept.to(row.device)]
+
+
+def _row(model_runner, forward_batch, index: int) -> torch.Tensor:
+    return row_slots(model_runner.req_to_token_pool, forward_batch, index)
 
 
 def row_keys(
@@ -39,3 +47,14 @@ def row_kv(
     keys = tuple(pool.get_key_buffer(layer)[row] for layer in range(pool.layer_num))
     values = tuple(pool.get_value_buffer(layer)[row] for layer in range(pool.layer_num))
     return keys, values
+
+
+def row_kv_at(
+    model_runner, forward_batch, index: int, layer: int, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, H_kv, d)`` copies of K and V at ``layer`` of request ``index``'s row
+    ``positions`` ``(m,)`` int64 (host, moved to the pool's device here) alone."""
+    pool = model_runner.token_to_kv_pool
+    row = _row(model_runner, forward_batch, index)
+    slots = row[positions.to(row.device)]
+    return pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]

@@ -1,12 +1,16 @@
 """Which reused image tokens a refresh recomputes: the scorer's pick at the budget.
 
 A scorer that reads attention (CONDUIT, ProphetKV) gets one scoring pass: every
-fresh token of each reusing request runs over the rotated stale KV, and the
-queries of the query span (fresh tokens after the last reused image) are kept.
-CacheBlend instead recomputes the whole extend once, compares its KV with the
-stale KV, and the stale KV is copied back. Position-only methods need no pass.
-Scorers see a row with holes through its :class:`RowView` (compacted positions);
-their picks are mapped back to row positions.
+fresh token of each reusing request runs over the rotated stale KV. The queries
+of the query span (fresh tokens after the last reused image) are reduced layer by
+layer inside the pass to the scorer's per-layer statistic
+(:class:`~sgl_mmkv.refresh.layer_statistics.LayerStatistics`), so no layer's row
+or queries are kept; a scorer without a per-layer reduction gets the queries and
+a copy of the row instead. CacheBlend recomputes the whole extend once and
+compares the K/V of its one layer at the reused tokens, copied before and after,
+with the stale KV copied back. Position-only methods need no pass. Scorers see a
+row with holes through its :class:`RowView` (compacted positions); their picks
+are mapped back to row positions.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.cost import scoring_rows
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.kv_copy import SegmentCopier
+from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.refresh.row_kv import row_kv
+from sgl_mmkv.refresh.row_kv import row_kv, row_kv_at
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
 
 
@@ -43,25 +48,47 @@ class TokenSelector:
         the KV pool's device (empty for a request that reuses nothing)."""
         if self.scorer.needs_fresh_kv:
             return self._select_by_deviation(ctx)
-        captures = None
+        capture = None
         if self.scorer.needs_attention:
-            captures = QueryCapture({p.index: _query_rows(p) for p in ctx.plans if p.spans})
+            capture = self._capture(ctx)
             active = [scoring_rows(p.fresh_mask()) for p in ctx.plans]
             self.counters.executed_flops += ctx.pass_flops(active)
-            run_pass(ctx, active, capture=captures)
+            run_pass(ctx, active, capture=capture)
             fault_point("scoring")
         selected = [
-            self._pick(ctx, plan, self._inputs(ctx, plan, captures)) if plan.spans else None
+            self._pick(ctx, plan, self._inputs(ctx, plan, capture)) if plan.spans else None
             for plan in ctx.plans
         ]
         fault_point("selection")
         return self._filled(ctx, selected)
 
+    def _capture(self, ctx: ExtendContext) -> QueryCapture:
+        """What the scoring pass keeps: per layer statistics when the scorer has a
+        reduction (its query span narrowed to the last query if it reads that alone),
+        else every layer's queries."""
+        reduction = self.scorer.layer_reduction()
+        rows, reduced = {}, {}
+        for plan in ctx.plans:
+            if not plan.spans:
+                continue
+            query_rows, positions = _query_rows(ctx, plan)
+            if reduction is not None and reduction.last_query_only:
+                last = positions.argmax(dim=0, keepdim=True)
+                query_rows, positions = query_rows[last], positions[last]
+            rows[plan.index] = query_rows
+            reduced[plan.index] = ReducedRow(positions, _spans(ctx, plan))
+        if reduction is None:
+            return QueryCapture(rows)
+        return QueryCapture(rows, statistics=LayerStatistics(self.scorer, reduced))
+
     def _select_by_deviation(self, ctx: ExtendContext) -> list[torch.Tensor]:
         """CacheBlend's signal: the whole extend recomputed once (as costly as a full
-        prefill; the paper's layer-by-layer shrinking is not done), its KV compared
-        with the stale KV, then the stale KV restored for the refresh pass."""
-        stale = {p.index: _row_kv(ctx, p) for p in ctx.plans if p.spans}
+        prefill; the paper's layer-by-layer shrinking is not done), the K/V of its
+        one layer at the reused tokens compared with the stale ones (copied before,
+        ``(N_v, H_kv, d)`` each), then the stale KV restored for the refresh pass."""
+        pool = ctx.model_runner.token_to_kv_pool
+        layer = self.scorer.deviation_layer(pool.layer_num)
+        stale = {p.index: _visual_kv(ctx, p, layer) for p in ctx.plans if p.spans}
         whole = [~p.hole_mask() for p in ctx.plans]
         self.counters.executed_flops += ctx.pass_flops(whole)
         run_pass(ctx, whole)
@@ -70,16 +97,15 @@ class TokenSelector:
             if not plan.spans:
                 selected.append(None)
                 continue
-            keys, values = stale[plan.index]
-            fresh_keys, fresh_values = _row_kv(ctx, plan)
+            deviation = self.scorer.deviation(*stale[plan.index], *_visual_kv(ctx, plan, layer))
             inputs = ScoringInputs(
                 queries=(),
-                keys=keys,
-                values=values,
+                keys=(),
+                values=(),
                 query_positions=torch.empty(0, dtype=torch.long),
                 image_spans=_spans(ctx, plan),
-                fresh_keys=fresh_keys,
-                fresh_values=fresh_values,
+                layer_ids=(layer,),
+                layer_statistics=deviation[None],
                 device=ctx.device,
             )
             selected.append(self._pick(ctx, plan, inputs))
@@ -92,19 +118,17 @@ class TokenSelector:
         view = ctx.views[plan.index]
         return chosen if view is None else view.expand(chosen)
 
-    def _inputs(self, ctx: ExtendContext, plan: RequestPlan, captures) -> ScoringInputs:
+    def _inputs(self, ctx: ExtendContext, plan: RequestPlan, capture) -> ScoringInputs:
         """What the scorer sees of ``plan``'s row: without its holes, if it has some."""
         spans = _spans(ctx, plan)
-        if captures is None:  # position-only methods
+        if capture is None:  # position-only methods
             empty = torch.empty(0, dtype=torch.long)
             return ScoringInputs((), (), (), empty, spans, device=ctx.device)
+        if capture.statistics is not None:
+            return capture.statistics.inputs(plan.index, ctx.device)
         keys, values = _row_kv(ctx, plan)
-        per_layer = captures.queries[plan.index]
-        positions = plan.rows(scoring_rows(plan.fresh_mask()))
-        query_positions = positions[captures.rows[plan.index]]
-        view = ctx.views[plan.index]
-        if view is not None:
-            query_positions = view.compact(query_positions)
+        per_layer = capture.queries[plan.index]
+        _, query_positions = _query_rows(ctx, plan)
         layers = tuple(sorted(per_layer))
         queries = tuple(per_layer[layer] for layer in layers)
         return ScoringInputs(queries, keys, values, query_positions, spans, layer_ids=layers)
@@ -115,13 +139,17 @@ class TokenSelector:
         return [empty if s is None else s for s in selected]
 
 
-def _query_rows(plan: RequestPlan) -> torch.Tensor:
-    """Rows (within the request's tokens of the scoring pass) of the query span: fresh
-    tokens after the last reused image, else every fresh token."""
+def _query_rows(ctx: ExtendContext, plan: RequestPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query span: ``(m,)`` rows within the request's tokens of the scoring pass
+    (fresh tokens after the last reused image, else every fresh token), and their
+    ``(m,)`` positions in the row without its holes; host tensors."""
     positions = plan.rows(scoring_rows(plan.fresh_mask()))
     last_image_end = max(s.end for s in plan.spans)
     tail = (positions >= last_image_end).nonzero().flatten()
-    return tail if tail.numel() else torch.arange(positions.numel())
+    rows = tail if tail.numel() else torch.arange(positions.numel())
+    view = ctx.views[plan.index]
+    positions = positions[rows]
+    return rows, positions if view is None else view.compact(positions)
 
 
 def _spans(ctx: ExtendContext, plan: RequestPlan) -> tuple[tuple[int, int], ...]:
@@ -133,9 +161,21 @@ def _spans(ctx: ExtendContext, plan: RequestPlan) -> tuple[tuple[int, int], ...]
 
 
 def _row_kv(ctx: ExtendContext, plan: RequestPlan):
-    """Per layer ``(n, H_kv, d)`` K and V of ``plan``'s row, holes left out."""
+    """Per layer ``(n, H_kv, d)`` K and V of ``plan``'s row, holes left out (for a
+    scorer without a per-layer reduction)."""
     keys, values = row_kv(ctx.model_runner, ctx.forward_batch, plan.index)
     view = ctx.views[plan.index]
     if view is None:
         return keys, values
     return view.rows(keys), view.rows(values)
+
+
+def _visual_kv(ctx: ExtendContext, plan: RequestPlan, layer: int):
+    """``(N_v, H_kv, d)`` K and V at ``layer`` of ``plan``'s reused tokens that hold
+    KV, in :func:`_spans` order."""
+    compacted = [torch.arange(s, e) for s, e in _spans(ctx, plan)]
+    positions = torch.cat(compacted)
+    view = ctx.views[plan.index]
+    if view is not None:
+        positions = view.kept[positions]
+    return row_kv_at(ctx.model_runner, ctx.forward_batch, plan.index, layer, positions)

@@ -9,22 +9,20 @@ from typing import ClassVar
 import torch
 
 from sgl_mmkv.scoring.attention import kv_head_attention
-from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
+from sgl_mmkv.scoring.base import LayerInputs, LayerReduction, ScoringInputs, TokenScorer
 
 
-def elite_rows(query: torch.Tensor, text_keys: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Rows ``j`` of the text with ``Att[last, j] >= alpha * max_j Att[last, :]``.
+def elite_mask(query: torch.Tensor, text_keys: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``(n_t,)`` bool: the text rows ``j`` with ``Att[last, j] >= alpha * max_j Att[last, :]``.
 
     Args:
         query: ``(1, H_q, d)`` the last text query.
         text_keys: ``(n_t, H_kv, d)`` keys of the observed text tokens (all before it).
-    Returns:
-        ``(n_e,)`` int64 indices into the text tokens.
     """
     n_t = text_keys.shape[0]
     last = torch.full((1,), n_t - 1, device=text_keys.device)
     att = kv_head_attention(query, text_keys, last).mean(dim=0)[0]  # (n_t,)
-    return (att >= alpha * att.max()).nonzero().flatten()
+    return att >= alpha * att.max()
 
 
 def skewness(x: torch.Tensor) -> torch.Tensor:
@@ -75,24 +73,30 @@ class AirCacheScorer(TokenScorer):
     summary: ClassVar[str] = "AirCache importance"
     alpha: float = 0.9
 
+    def layer_reduction(self) -> LayerReduction:
+        return LayerReduction()
+
+    def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
+        """``(N_v,)`` importance of the visual tokens at one layer. The elite set stays
+        a mask on the device: every text query runs, a text key outside the set is
+        moved past every query (never visible) and a query outside it weighs 0."""
+        visual, positions = layer.visual_positions, layer.query_positions
+        text_keys = layer.keys_at(positions)
+        elite = elite_mask(layer.queries[-1:], text_keys, self.alpha)
+        beyond = positions.max() + 1
+        key_positions = torch.cat([visual, torch.where(elite, positions, beyond)])
+        keys = torch.cat([layer.keys_at(visual), text_keys])
+        probs = kv_head_attention(layer.queries, keys, positions, key_positions)
+        weights = elite.float() / elite.sum()  # (n_t,), the mean over the elite queries
+        return (probs[..., : visual.numel()].mean(dim=0) * weights[:, None]).sum(dim=0)
+
     def layer_importance(self, inputs: ScoringInputs) -> torch.Tensor:
         """``(L, N_v)`` importance of each visual token per layer.
 
         The observed queries are the prompt's text tokens; the visual tokens are the
         image spans being scored.
         """
-        visual = inputs.visual_positions
-        per_layer = []
-        for q, k in zip(inputs.queries, inputs.keys, strict=True):
-            text_keys = k[inputs.query_positions]
-            elite = elite_rows(q[-1:], text_keys, self.alpha)
-            elite_positions = inputs.query_positions[elite]
-            key_positions = torch.cat([visual, elite_positions])
-            probs = kv_head_attention(
-                q[elite], k[key_positions], elite_positions, key_positions
-            )  # (H_kv, n_e, N_v + n_e)
-            per_layer.append(probs.mean(dim=(0, 1))[: visual.numel()])
-        return torch.stack(per_layer)
+        return self.statistics(inputs)
 
     @staticmethod
     def layer_budgets(importance: torch.Tensor, budget: float) -> torch.Tensor:
@@ -131,4 +135,4 @@ def layer_keep_counts(layer_budgets: torch.Tensor, n: int) -> torch.Tensor:
     return counts.clamp(max=n)
 
 
-__all__ = ["AirCacheScorer", "elite_rows", "layer_keep_counts", "skewness"]
+__all__ = ["AirCacheScorer", "elite_mask", "layer_keep_counts", "skewness"]

@@ -16,7 +16,10 @@ from sgl_mmkv.kernels.scattered_attention import use_triton_attention
 
 
 def attention_mass(
-    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean causal softmax attention each key receives from the queries.
 
@@ -25,8 +28,10 @@ def attention_mass(
 
     Args:
         queries: ``(n_q, H_q, d)``.
-        keys: ``(n, H_kv, d)``.
+        keys: ``(n, H_kv, d)``; with ``slots``, a ``(S, H_kv, d)`` pool buffer.
         query_positions: ``(n_q,)`` int.
+        slots: optional ``(n,)`` int64 rows of ``keys`` that make the row (the Triton
+            kernel reads them in place; the torch reference gathers them).
     Returns:
         ``(n,)`` float32; sums to 1 over keys when every query sees at least one key.
     """
@@ -36,9 +41,11 @@ def attention_mass(
     if use_triton_attention(queries):
         from sgl_mmkv.kernels.scattered_attention_triton import attention_mass_triton
 
-        slots = torch.arange(keys.shape[0], device=keys.device)
+        if slots is None:
+            slots = torch.arange(keys.shape[0], device=keys.device)
         return attention_mass_triton(queries, keys, slots, query_positions.to(keys.device))
-    return attention_mass_reference(queries, keys, query_positions)
+    row = keys if slots is None else keys[slots]
+    return attention_mass_reference(queries, row, query_positions)
 
 
 def kv_head_attention(

@@ -9,6 +9,14 @@ query span, the row's re-positioned K and V per layer) and returns one score per
 visual token; :meth:`TokenScorer.select` turns scores into the chosen set
 under a budget (recomputed for a refresh scorer, kept for an eviction scorer).
 Methods with a selection rule of their own override ``select``.
+
+A scorer whose score is a combination of per-layer statistics (every method that
+reads attention) says so with :meth:`TokenScorer.layer_reduction`: the pass then
+reduces each layer as it runs (:meth:`TokenScorer.layer_statistic` over a
+:class:`LayerInputs`, the row's K read where the attention reads it) and hands the
+``(L, ..., N_v)`` statistics over in :attr:`ScoringInputs.layer_statistics`,
+instead of every layer's queries and row. ``score`` of whole-row inputs is the
+reference: it runs the same ``layer_statistic`` layer by layer.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ class ScoringInputs:
             layer's ``q_proj`` of ``x`` ``(S, D)`` with RoPE at text positions
             ``positions`` ``(S,)`` (MM-ShiftKV's query proxies).
         layer_ids: optional, the model layer of each per-layer entry (None: 0, 1, ...).
+        layer_statistics: optional ``(L, ..., N_v)`` float32, the scorer's
+            :meth:`TokenScorer.layer_statistic` of each layer of ``layer_ids``, reduced
+            while the pass ran (then ``queries``, ``keys`` and ``values`` are empty).
         device: where the scorer computes and returns its results; default the
             keys' device, else ``query_positions``'. Every tensor input is moved
             there once, here (a no-op for those already there).
@@ -57,6 +68,7 @@ class ScoringInputs:
     hidden_stats: tuple[tuple[torch.Tensor | float, torch.Tensor | float, int], ...] | None = None
     project_queries: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer_ids: tuple[int, ...] | None = None
+    layer_statistics: torch.Tensor | None = None
     device: torch.device | None = None
 
     def __post_init__(self) -> None:
@@ -70,6 +82,8 @@ class ScoringInputs:
             if tensors is not None:
                 object.__setattr__(self, name, tuple(t.to(device) for t in tensors))
         object.__setattr__(self, "query_positions", self.query_positions.to(device))
+        if self.layer_statistics is not None:
+            object.__setattr__(self, "layer_statistics", self.layer_statistics.to(device))
         if self.hidden_stats is not None:
             stats = tuple(
                 (_on(mean, device), _on(std, device), width)
@@ -87,11 +101,85 @@ class ScoringInputs:
     def num_visual(self) -> int:
         return sum(e - s for s, e in self.image_spans)
 
+    def layer(self, i: int, last_position: int | None = None) -> LayerInputs:
+        """Per-layer entry ``i`` as a :class:`LayerInputs` (values at the visual tokens)."""
+        visual = self.visual_positions
+        return LayerInputs(
+            layer=self.layer_ids[i] if self.layer_ids is not None else i,
+            queries=self.queries[i],
+            keys=self.keys[i],
+            query_positions=self.query_positions,
+            visual_positions=visual,
+            visual_values=self.values[i][visual] if self.values else None,
+            last_position=last_position,
+            hidden_stats=self.hidden_stats[i] if self.hidden_stats is not None else None,
+            project_queries=self.project_queries,
+        )
+
     def image_ids(self) -> torch.Tensor:
         """``(N_v,)`` index of the image each visual token belongs to, on :attr:`device`."""
         counts = torch.tensor([e - s for s, e in self.image_spans], dtype=torch.long)
         ids = torch.arange(len(self.image_spans)).repeat_interleave(counts)
         return ids.to(self.device)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInputs:
+    """One layer of one request, as a per-layer reduction reads it.
+
+    Attributes:
+        layer: the model layer (MM-ShiftKV's ``q_proj``, noise seed and statistics).
+        queries: ``(n_q, H_q, d)`` RoPE applied.
+        keys: ``(n, H_kv, d)`` the row; with ``key_slots``, a ``(slots, H_kv, d)`` pool
+            buffer whose rows ``key_slots`` are the row (read in place, not gathered).
+        query_positions: ``(n_q,)`` int64 row positions of the queries.
+        visual_positions: ``(N_v,)`` int64 row positions of the scored tokens.
+        visual_values: ``(N_v, H_kv, d)`` V of the scored tokens, if the reduction
+            asked for them (:attr:`LayerReduction.needs_values`).
+        key_slots: optional ``(n,)`` int64 pool slots of the row, in row order.
+        last_position: the last query's row position as a host int, if known.
+        hidden_stats: ``(mean, std, hidden_size)`` of the layer's attention input.
+        project_queries: MM-ShiftKV's ``q_proj`` (see :class:`ScoringInputs`).
+    Everything is on one device; the statistic is computed there.
+    """
+
+    layer: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    query_positions: torch.Tensor
+    visual_positions: torch.Tensor
+    visual_values: torch.Tensor | None = None
+    key_slots: torch.Tensor | None = None
+    last_position: int | None = None
+    hidden_stats: tuple[torch.Tensor | float, torch.Tensor | float, int] | None = None
+    project_queries: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def row_keys(self) -> torch.Tensor:
+        """``(n, H_kv, d)`` the row's keys (a gather when read from the pool)."""
+        return self.keys if self.key_slots is None else self.keys[self.key_slots]
+
+    def keys_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(m, H_kv, d)`` the keys at row ``positions`` ``(m,)``, read alone."""
+        rows = positions if self.key_slots is None else self.key_slots[positions]
+        return self.keys[rows]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerReduction:
+    """What a pass must hand a scorer's :meth:`TokenScorer.layer_statistic`.
+
+    Attributes:
+        layers: model layers reduced (None: every layer); the others are skipped.
+        last_query_only: only the query at the highest row position is read.
+        needs_values: the visual tokens' V is read (:attr:`LayerInputs.visual_values`).
+    """
+
+    layers: tuple[int, ...] | None = None
+    last_query_only: bool = False
+    needs_values: bool = False
+
+    def reduces(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
 
 
 def _on(x: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
@@ -121,13 +209,33 @@ class TokenScorer(ABC):
     summary: ClassVar[str] = ""  # what it ranks by, in a few words (CLI help)
     # What the executor must compute before ``select``: the scoring pass's queries
     # and the row's KV (``needs_attention``), or the row recomputed in full
-    # (``needs_fresh_kv``). Position-only methods need neither.
+    # (``needs_fresh_kv``: such a scorer names the one layer it compares,
+    # ``deviation_layer(num_layers)``, and its ``deviation`` of the visual tokens' stale
+    # and fresh K/V there). Position-only methods need neither.
     needs_attention: ClassVar[bool] = True
     needs_fresh_kv: ClassVar[bool] = False
 
     @abstractmethod
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         """``(N_v,)`` float scores in :attr:`ScoringInputs.visual_positions` order."""
+
+    def layer_reduction(self) -> LayerReduction | None:
+        """How a pass reduces each layer for this scorer, or None: ``score`` reads
+        whole rows (position-only methods, CacheBlend)."""
+        return None
+
+    def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
+        """``(..., N_v)`` float32 statistic of one layer (same shape for every layer);
+        no host sync. Defined when :meth:`layer_reduction` is."""
+        raise NotImplementedError(f"{self.name} has no per-layer reduction")
+
+    def statistics(self, inputs: ScoringInputs, last_position: int | None = None) -> torch.Tensor:
+        """``(L, ..., N_v)``: ``inputs.layer_statistics`` when the pass reduced them,
+        else :meth:`layer_statistic` of every per-layer entry (the reference)."""
+        if inputs.layer_statistics is not None:
+            return inputs.layer_statistics
+        per_layer = [inputs.layer(i, last_position) for i in range(len(inputs.queries))]
+        return torch.stack([self.layer_statistic(layer) for layer in per_layer])
 
     def ranking(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         """``(N_v,)`` scores whose top-k is the selection at ``budget``; the plain

@@ -26,13 +26,34 @@ class CacheBlendScorer(TokenScorer):
     needs_fresh_kv: ClassVar[bool] = True
     layer: int = 1
 
+    def deviation_layer(self, num_layers: int) -> int:
+        """The layer compared in a model of ``num_layers`` layers."""
+        return min(self.layer, num_layers - 1)
+
+    @staticmethod
+    def deviation(
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        fresh_keys: torch.Tensor,
+        fresh_values: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(N_v,)`` float32 ``||dK||_2 + ||dV||_2`` of ``(N_v, H_kv, d)`` stale and fresh
+        K/V of the visual tokens at one layer."""
+        dk = (fresh_keys - keys).float().flatten(1).norm(dim=-1)
+        return dk + (fresh_values - values).float().flatten(1).norm(dim=-1)
+
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        """The deviation at :meth:`deviation_layer`; with ``layer_statistics`` (the
+        selector copies that layer's visual tokens alone), ``(1, N_v)`` of it."""
+        if inputs.layer_statistics is not None:
+            return inputs.layer_statistics[0]
         if inputs.fresh_keys is None or inputs.fresh_values is None:
             raise ValueError("cacheblend needs the fresh K/V of the row in ScoringInputs")
-        layer = min(self.layer, len(inputs.keys) - 1)
+        layer = self.deviation_layer(len(inputs.keys))
         positions = inputs.visual_positions
-        dk = inputs.fresh_keys[layer] - inputs.keys[layer]
-        dv = inputs.fresh_values[layer] - inputs.values[layer]
-        return dk[positions].float().flatten(1).norm(dim=-1) + dv[positions].float().flatten(
-            1
-        ).norm(dim=-1)
+        return self.deviation(
+            inputs.keys[layer][positions],
+            inputs.values[layer][positions],
+            inputs.fresh_keys[layer][positions],
+            inputs.fresh_values[layer][positions],
+        )

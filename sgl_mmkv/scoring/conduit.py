@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from sgl_mmkv.scoring.attention import attention_mass
-from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
+from sgl_mmkv.scoring.base import LayerInputs, LayerReduction, ScoringInputs, TokenScorer
 
 # Which captured queries score: every fresh token after the last reused image, or the
 # prompt's last token alone.
@@ -80,7 +80,10 @@ class ConduitScorer(TokenScorer):
 
     def _scored(self, inputs: ScoringInputs) -> list[int]:
         """Indices into the per-layer inputs of the layers averaged over."""
-        ids = inputs.layer_ids or tuple(range(len(inputs.queries)))
+        count = len(inputs.queries)
+        if inputs.layer_statistics is not None:
+            count = inputs.layer_statistics.shape[0]
+        ids = inputs.layer_ids or tuple(range(count))
         if self.layers is None:
             return list(range(len(ids)))
         missing = set(self.layers) - set(ids)
@@ -88,24 +91,44 @@ class ConduitScorer(TokenScorer):
             raise ValueError(f"{self.name}: layers {sorted(missing)} were not scored ({ids})")
         return [i for i, layer in enumerate(ids) if layer in self.layers]
 
+    def layer_reduction(self) -> LayerReduction:
+        """Only the layers averaged over, the last query for ``last_text``, V only with
+        the value norm."""
+        return LayerReduction(
+            layers=self.layers,
+            last_query_only=self.query_span == "last_text",
+            needs_values=self.use_value_norm,
+        )
+
+    def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
+        """``(N_v,)`` ``alpha_t^l`` at the visual tokens, times ``||V_t^l||_2`` if asked."""
+        mass = attention_mass(layer.queries, layer.keys, layer.query_positions, layer.key_slots)
+        alpha = mass[layer.visual_positions]
+        if self.use_value_norm:
+            alpha = alpha * layer.visual_values.float().flatten(1).norm(dim=-1)
+        return alpha
+
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        positions = inputs.visual_positions
-        query_positions = inputs.query_positions
-        rows = slice(None)
-        if self.query_span == "last_text" and query_positions.numel():
-            last = query_positions.argmax(dim=0, keepdim=True)  # (1,), no host sync
-            rows, query_positions = last, query_positions[last]
-        per_layer = []
-        for i in self._scored(inputs):
-            alpha = attention_mass(inputs.queries[i][rows], inputs.keys[i], query_positions)
-            alpha = alpha[positions]
-            if self.use_value_norm:
-                alpha = alpha * inputs.values[i][positions].float().flatten(1).norm(dim=-1)
-            per_layer.append(alpha)
-        scores = torch.stack(per_layer).mean(dim=0)
+        scored = self._scored(inputs)
+        if inputs.layer_statistics is not None:
+            per_layer = torch.stack([inputs.layer_statistics[i] for i in scored])
+        else:
+            inputs = self._query_span(inputs)
+            per_layer = torch.stack([self.layer_statistic(inputs.layer(i)) for i in scored])
+        scores = per_layer.mean(dim=0)
         if self.amplification:
             factor = image_amplification(
                 scores, inputs.image_ids(), self.amplification, len(inputs.image_spans)
             )
             scores = scores * factor
         return scores
+
+    def _query_span(self, inputs: ScoringInputs) -> ScoringInputs:
+        """``inputs`` with only the query span's queries (``last_text``: the query at
+        the highest position, found on the device)."""
+        positions = inputs.query_positions
+        if self.query_span != "last_text" or not positions.numel():
+            return inputs
+        last = positions.argmax(dim=0, keepdim=True)  # (1,), no host sync
+        queries = tuple(q[last] for q in inputs.queries)
+        return replace(inputs, queries=queries, query_positions=positions[last])

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from sgl_mmkv.scoring.attention import kv_head_attention
-from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
+from sgl_mmkv.scoring.base import LayerInputs, LayerReduction, ScoringInputs, TokenScorer
 
 
 def top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -51,41 +51,47 @@ class MMShiftKVScorer(TokenScorer):
     def layer_votes(
         self, inputs: ScoringInputs, layer: int, last: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(H_kv, N_v)`` votes and ``(H_kv, N_v)`` last-query attention at ``layer``.
+        """``(H_kv, N_v)`` votes and ``(H_kv, N_v)`` last-query attention at per-layer
+        entry ``layer`` of ``inputs`` (``last``: the last query's row position, default
+        read from the inputs, a host sync)."""
+        votes, attention = self.layer_statistic(inputs.layer(layer, last))
+        return votes, attention
 
-        ``last``: the last query's row position (default: read from the inputs, a
-        host sync). The proxies' noise is drawn on the host, so every device draws
-        the same, and moved to the inputs' device."""
-        if inputs.hidden_stats is None or inputs.project_queries is None:
+    def layer_reduction(self) -> LayerReduction:
+        return LayerReduction()
+
+    def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
+        """``(2, H_kv, N_v)``: the votes and the last query's attention at one layer.
+
+        The proxies' noise is drawn on the host, so every device draws the same, and
+        moved to the layer's device."""
+        if layer.hidden_stats is None or layer.project_queries is None:
             raise ValueError("mmshiftkv needs the attention-input statistics and q_proj")
-        q, k = inputs.queries[layer], inputs.keys[layer]
-        mean, std, hidden_size = inputs.hidden_stats[layer]
+        device = layer.queries.device
+        last = layer.last_position
         if last is None:
-            last = int(inputs.query_positions[-1])
-        gen = torch.Generator().manual_seed(self.seed + layer)
-        noise = torch.randn(self.num_samples, hidden_size, generator=gen).to(inputs.device)
+            last = int(layer.query_positions[-1])
+        mean, std, hidden_size = layer.hidden_stats
+        gen = torch.Generator().manual_seed(self.seed + layer.layer)
+        noise = torch.randn(self.num_samples, hidden_size, generator=gen).to(device)
         x = mean + self.expansion * std * noise
-        positions = self.proxy_positions(last, inputs.device)
-        proxies = inputs.project_queries(layer, x, positions).float()  # (S, H_q, d)
-        keys = k[:last]
+        positions = self.proxy_positions(last, device)
+        proxies = layer.project_queries(layer.layer, x, positions).float()  # (S, H_q, d)
+        keys = layer.keys_at(torch.arange(last, device=device))
         probs = kv_head_attention(proxies, keys, positions)  # (H_kv, S, last)
-        last_position = torch.full((1,), last, device=inputs.device)
-        last_probs = kv_head_attention(q[-1:], keys, last_position)[:, 0]  # (H_kv, last)
+        last_position = torch.full((1,), last, device=device)
+        last_probs = kv_head_attention(layer.queries[-1:], keys, last_position)[:, 0]
         groups = self.num_samples // self.samples_per_group
         h_kv = probs.shape[0]
         grouped = probs.view(h_kv, groups, self.samples_per_group, last).sum(dim=2)
         grouped = (grouped + last_probs[:, None]) / (self.samples_per_group + 1)
         votes = top_p_mask(grouped, self.top_p).sum(dim=1).float()  # (H_kv, last)
-        visual = inputs.visual_positions
-        return votes[:, visual], last_probs[:, visual]
-
-    def _votes(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        last = int(inputs.query_positions[-1])  # one host sync, not one per layer
-        per_layer = [self.layer_votes(inputs, layer, last) for layer in range(len(inputs.queries))]
-        votes = torch.stack([v for v, _ in per_layer])  # (L, H_kv, N_v)
-        attention = torch.stack([a for _, a in per_layer])
-        return votes, attention
+        visual = layer.visual_positions
+        return torch.stack([votes[:, visual], last_probs[:, visual]])
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        votes, attention = self._votes(inputs)
-        return votes.sum(dim=(0, 1)) + 0.5 * attention.mean(dim=(0, 1))
+        last = None
+        if inputs.layer_statistics is None:
+            last = int(inputs.query_positions[-1])  # one host sync, not one per layer
+        per_layer = self.statistics(inputs, last)  # (L, 2, H_kv, N_v)
+        return per_layer[:, 0].sum(dim=(0, 1)) + 0.5 * per_layer[:, 1].mean(dim=(0, 1))

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from sgl_mmkv.scoring.attention import kv_head_attention
-from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
+from sgl_mmkv.scoring.base import LayerInputs, LayerReduction, ScoringInputs, TokenScorer
 
 
 @dataclass
@@ -23,15 +23,18 @@ class SnapKVScorer(TokenScorer):
     window: int = 64
     pool_kernel: int = 5
 
+    def layer_reduction(self) -> LayerReduction:
+        return LayerReduction()
+
+    def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
+        """``(H_kv, N_v)`` pooled window votes of one layer."""
+        w = min(self.window, layer.queries.shape[0])
+        probs = kv_head_attention(layer.queries[-w:], layer.row_keys(), layer.query_positions[-w:])
+        votes = probs.sum(dim=1)  # (H_kv, n)
+        pooled = torch.nn.functional.avg_pool1d(
+            votes[:, None], self.pool_kernel, stride=1, padding=self.pool_kernel // 2
+        )[:, 0]
+        return pooled[:, layer.visual_positions]
+
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        positions = inputs.visual_positions
-        per_layer = []
-        for q, k in zip(inputs.queries, inputs.keys, strict=True):
-            w = min(self.window, q.shape[0])
-            probs = kv_head_attention(q[-w:], k, inputs.query_positions[-w:])
-            votes = probs.sum(dim=1)  # (H_kv, n)
-            pooled = torch.nn.functional.avg_pool1d(
-                votes[:, None], self.pool_kernel, stride=1, padding=self.pool_kernel // 2
-            )[:, 0]
-            per_layer.append(pooled[:, positions])
-        return torch.stack(per_layer).mean(dim=(0, 1))
+        return self.statistics(inputs).mean(dim=(0, 1))

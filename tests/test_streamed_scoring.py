@@ -1,0 +1,408 @@
+"""Scores reduced layer by layer inside the pass equal the whole-row reference.
+
+The refresh selector runs its real scoring pass (``run_pass``, the refresh attention
+backend, ``active_sub_batch``) over SGLang-shaped pools; a fake model plays the
+layers, each token's q / k / v a fixed function of its slot, so every run of the
+pass writes the same KV. Each attention scorer is run twice from the same pool:
+streamed (its per-layer statistics, nothing of the row kept) and as the reference
+(the same scorer without a reduction: every layer's queries kept and the row copied
+after the pass, ``score()`` on whole rows). Scores agree within float tolerance and
+selections are equal; the batch has GQA, a compressed segment computed fresh and
+one left as holes (a ``RowView``). CacheBlend's one-layer copies and the eviction
+ranker's streamed rankings are held to their whole-row references the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.model_executor.forward_context import get_forward_context  # noqa: E402
+
+from sgl_mmkv.refresh.attention_backend import RefreshAttentionBackend  # noqa: E402
+from sgl_mmkv.refresh.context import ExtendContext  # noqa: E402
+from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot  # noqa: E402
+from sgl_mmkv.refresh.flops import DecoderShape  # noqa: E402
+from sgl_mmkv.refresh.observer import ObservingBackend, PrefillObserver  # noqa: E402
+from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan  # noqa: E402
+from sgl_mmkv.refresh.ranker import VisualRanker  # noqa: E402
+from sgl_mmkv.refresh.row_kv import row_kv  # noqa: E402
+from sgl_mmkv.refresh.row_view import RowView  # noqa: E402
+from sgl_mmkv.refresh.selection import TokenSelector  # noqa: E402
+from sgl_mmkv.refresh.sub_batch import active_sub_batch  # noqa: E402
+from sgl_mmkv.scoring import (  # noqa: E402
+    EVICTION_SCORERS,
+    ScoringInputs,
+    budget_count,
+    make_eviction_scorer,
+    make_refresh_scorer,
+)
+from sgl_mmkv.segments.store import Segment  # noqa: E402
+
+H_Q, H_KV, D, LAYERS, HIDDEN = 4, 2, 16, 3, 12
+SLOTS = 256
+BUDGET = 0.3
+POOL_ROWS = [3, 1]
+
+
+class Pool:
+    """``token_to_kv_pool``: per-layer ``(slots, H_kv, D)`` K and V."""
+
+    def __init__(self, g: torch.Generator) -> None:
+        self.k = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(LAYERS)]
+        self.v = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(LAYERS)]
+
+    @property
+    def layer_num(self) -> int:
+        return LAYERS
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[layer.layer_id][loc.loc] = k.view(-1, H_KV, D)
+        self.v[layer.layer_id][loc.loc] = v.view(-1, H_KV, D)
+
+    def get_key_buffer(self, layer_id):
+        return self.k[layer_id]
+
+    def get_value_buffer(self, layer_id):
+        return self.v[layer_id]
+
+
+def _segment(n: int, kept: list[int] | None = None) -> Segment:
+    slots = torch.arange(len(kept) if kept is not None else n)
+    kept_t = None if kept is None else torch.tensor(kept)
+    return Segment(("s", n), slots, torch.arange(n)[None], kept=kept_t)
+
+
+def _plans() -> tuple[RequestPlan, RequestPlan]:
+    """Request 0: a whole image and a compressed one computed fresh where it lacks
+    tokens; request 1: a compressed image whose missing tokens are holes, and a whole
+    one. Text around them, a tail of text after the last image."""
+    spans0 = (
+        ReuseSpan(6, 18, _segment(12), 3),
+        ReuseSpan(20, 28, _segment(8, [0, 2, 3, 5, 6]), -2),
+    )
+    visual0 = torch.zeros(40 - 2, dtype=torch.bool)
+    visual0[6 - 2 : 18 - 2] = visual0[20 - 2 : 28 - 2] = True
+    plan0 = RequestPlan(0, 2, 40, spans0, (), visual0, ((6, 18), (20, 28)))
+    spans1 = (
+        ReuseSpan(4, 16, _segment(12, [0, 1, 3, 4, 6, 7, 8, 10, 11]), 5),
+        ReuseSpan(18, 26, _segment(8), 1),
+    )
+    visual1 = torch.zeros(34, dtype=torch.bool)
+    visual1[4:16] = visual1[18:26] = True
+    plan1 = RequestPlan(1, 0, 34, spans1, (), visual1, ((4, 16), (18, 26)), holes=True)
+    return plan0, plan1
+
+
+class FakeModel:
+    """Plays the layers of a pass: each token's q / k / v at a layer is a fixed
+    function of its KV slot; hidden states (for the observer) likewise."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed + 100)
+        self.q = [torch.randn(SLOTS, H_Q * D, generator=g) for _ in range(LAYERS)]
+        self.k = [torch.randn(SLOTS, H_KV * D, generator=g) for _ in range(LAYERS)]
+        self.v = [torch.randn(SLOTS, H_KV * D, generator=g) for _ in range(LAYERS)]
+        self.hidden = [torch.randn(SLOTS, HIDDEN, generator=g) for _ in range(LAYERS)]
+        self.layers = [
+            SimpleNamespace(
+                layer_id=i,
+                tp_q_head_num=H_Q,
+                tp_k_head_num=H_KV,
+                qk_head_dim=D,
+                v_head_dim=D,
+                scaling=D**-0.5,
+            )
+            for i in range(LAYERS)
+        ]
+
+    def run(self, batch, backend, observer: PrefillObserver | None = None):
+        loc = batch.out_cache_loc
+        for layer in self.layers:
+            i = layer.layer_id
+            if observer is not None:
+                observer.observe_hidden(i, self.hidden[i][loc], batch)
+            backend.forward(self.q[i][loc], self.k[i][loc], self.v[i][loc], layer, batch)
+        return loc.float()
+
+    def run_extend(self, sub):
+        return self.run(sub, get_forward_context().attn_backend)
+
+
+def _mode():
+    def no() -> bool:
+        return False
+
+    return SimpleNamespace(is_idle=no, is_decode=no, is_mixed=no)
+
+
+def _setup(seed: int = 0):
+    """A fresh pool (stale segment KV everywhere, NaN in the holes' slots), the
+    batch of both plans, the context."""
+    g = torch.Generator().manual_seed(seed)
+    pool = Pool(g)
+    plans = _plans()
+    req_to_token = torch.zeros(4, 48, dtype=torch.int32)
+    slots = torch.randperm(SLOTS, generator=g)
+    start = 0
+    for row, plan in zip(POOL_ROWS, plans, strict=True):
+        req_to_token[row, : plan.seq_len] = slots[start : start + plan.seq_len].to(torch.int32)
+        start += plan.seq_len
+    holes = plans[1].rows(plans[1].hole_mask())
+    for layer in range(LAYERS):
+        pool.k[layer][req_to_token[POOL_ROWS[1], holes].long()] = float("nan")
+        pool.v[layer][req_to_token[POOL_ROWS[1], holes].long()] = float("nan")
+    lens = [p.extend_len for p in plans]
+    out_cache_loc = torch.cat(
+        [
+            req_to_token[row, p.prefix_len : p.seq_len].long()
+            for row, p in zip(POOL_ROWS, plans, strict=True)
+        ]
+    )
+    n = out_cache_loc.numel()
+    batch = SimpleNamespace(
+        forward_mode=_mode(),
+        seq_lens_cpu=torch.tensor([p.seq_len for p in plans]),
+        seq_lens=torch.tensor([p.seq_len for p in plans]),
+        req_pool_indices=torch.tensor(POOL_ROWS),
+        out_cache_loc=out_cache_loc,
+        input_ids=torch.arange(n),
+        positions=torch.arange(n),
+        mrope_positions=None,
+        extend_seq_lens=torch.tensor(lens),
+        extend_seq_lens_cpu=lens,
+        extend_logprob_start_lens_cpu=None,
+        return_logprob=False,
+        input_embeds=None,
+        forward_metadata_ready=False,
+        mark_forward_metadata_ready=lambda: None,
+        moe_num_token_non_padded=None,
+    )
+    model = FakeModel(seed)
+    runner = SimpleNamespace(
+        token_to_kv_pool=pool,
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        model=None,
+        attn_backend=None,
+    )
+    ctx = ExtendContext(
+        run_extend=model.run_extend,
+        model_runner=runner,
+        forward_batch=batch,
+        plans=plans,
+        views=tuple(RowView.of(p) for p in plans),
+        shape=DecoderShape(LAYERS, H_Q * D, 4 * H_Q * D, H_Q, H_KV, D, 64),
+        embeddings=EmbeddingPass(full_batch=batch),
+        embedding_slot=EmbeddingSlot(),
+    )
+    return ctx, model
+
+
+def _recording(scorer):
+    """``scorer`` with its ``select`` inputs recorded."""
+    seen = []
+    select = scorer.select
+
+    def recorded(inputs, budget):
+        seen.append(inputs)
+        return select(inputs, budget)
+
+    scorer.select = recorded
+    return scorer, seen
+
+
+def _select(scorer, whole_row: bool):
+    ctx, _ = _setup()
+    scorer, seen = _recording(scorer)
+    if whole_row:
+        scorer.layer_reduction = lambda: None  # the copy-every-layer reference path
+    counters = SimpleNamespace(executed_flops=0)
+    selected = TokenSelector(scorer, BUDGET, None, counters).select(ctx)
+    return selected, seen, ctx
+
+
+ATTENTION_SCORERS = [
+    ("conduit", {}),
+    ("conduit", {"query_span": "last_text"}),
+    ("conduit", {"layers": [0, 2]}),
+    ("conduit", {"use_value_norm": False, "amplification": 0.5}),
+    ("prophetkv", {}),
+    ("prophetkv", {"layers": [1], "query_span": "last_text"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "knobs"), ATTENTION_SCORERS, ids=[f"{n}-{k}" for n, k in ATTENTION_SCORERS]
+)
+def test_streamed_scores_equal_the_whole_row_reference(name, knobs):
+    streamed, seen, ctx = _select(make_refresh_scorer(name, **knobs), whole_row=False)
+    reference, whole, _ = _select(make_refresh_scorer(name, **knobs), whole_row=True)
+    scorer = make_refresh_scorer(name, **knobs)
+    layers = tuple(knobs.get("layers", range(LAYERS)))
+    assert len(seen) == len(whole) == 2
+    for plan, got, want, chosen, expected in zip(
+        ctx.plans, seen, whole, streamed, reference, strict=True
+    ):
+        # nothing of the row or the queries reached the streamed scorer
+        assert got.queries == got.keys == got.values == ()
+        assert got.layer_ids == layers
+        assert got.layer_statistics.shape == (len(layers), want.num_visual)
+        assert len(want.keys) == LAYERS and want.keys[0].shape[0] == plan.seq_len - int(
+            plan.hole_mask().sum()
+        )
+        torch.testing.assert_close(scorer.score(got), scorer.score(want), rtol=1e-5, atol=1e-7)
+        assert torch.equal(chosen, expected)
+        assert chosen.numel() == budget_count(BUDGET, want.num_visual)
+    assert all(bool(torch.isfinite(s.layer_statistics).all()) for s in seen)  # no hole read
+
+
+def test_last_text_reduces_the_last_query_alone():
+    _, seen, ctx = _select(make_refresh_scorer("conduit", query_span="last_text"), False)
+    for plan, inputs in zip(ctx.plans, seen, strict=True):
+        last = plan.seq_len - 1
+        view = ctx.views[plan.index]
+        expected = last if view is None else int(view.index[last])
+        assert inputs.query_positions.tolist() == [expected]
+
+
+def test_cacheblend_copies_one_layer_of_the_reused_tokens_and_equals_whole_rows():
+    """The stale and fresh K/V of layer 1 at the reused tokens, against the whole
+    rows of every layer before and after the recompute."""
+    ctx, _ = _setup(seed=3)
+    runner, batch = ctx.model_runner, ctx.forward_batch
+
+    def rows():
+        out = []
+        for plan, view in zip(ctx.plans, ctx.views, strict=True):
+            keys, values = row_kv(runner, batch, plan.index)
+            if view is not None:
+                keys, values = view.rows(keys), view.rows(values)
+            out.append((keys, values))
+        return out
+
+    stale = rows()
+    pool = runner.token_to_kv_pool
+    saved = ([k.clone() for k in pool.k], [v.clone() for v in pool.v])
+    fresh = []
+
+    class Restore:
+        def copy(self, model_runner, forward_batch, plans):
+            fresh.extend(rows())
+            pool.k, pool.v = saved
+
+    scorer, seen = _recording(make_refresh_scorer("cacheblend"))
+    counters = SimpleNamespace(executed_flops=0)
+    chosen = TokenSelector(scorer, BUDGET, Restore(), counters).select(ctx)
+    reference = make_refresh_scorer("cacheblend")
+    for i, inputs in enumerate(seen):
+        whole = ScoringInputs(
+            (),
+            stale[i][0],
+            stale[i][1],
+            torch.empty(0, dtype=torch.long),
+            inputs.image_spans,
+            fresh_keys=fresh[i][0],
+            fresh_values=fresh[i][1],
+        )
+        assert inputs.layer_ids == (1,) and inputs.keys == ()
+        assert inputs.layer_statistics.shape == (1, whole.num_visual)
+        torch.testing.assert_close(reference.score(inputs), reference.score(whole))
+        assert bool((reference.score(whole) > 0).all())  # the recompute changed every token
+        view = ctx.views[i]
+        want = reference.select(whole, BUDGET)
+        assert torch.equal(chosen[i], want if view is None else view.expand(want))
+
+
+def _observed_pass(observer: PrefillObserver, seed: int, active):
+    """The refresh pass of both plans over ``active`` tokens, observed."""
+    ctx, model = _setup(seed)
+    sub, _ = active_sub_batch(ctx.forward_batch, active)
+    runner = ctx.model_runner
+    backend = RefreshAttentionBackend(
+        runner.req_to_token_pool,
+        runner.token_to_kv_pool,
+        ctx.pass_positions(active),
+        None,
+        list(ctx.views),
+    )
+    model.run(sub, ObservingBackend(backend, observer), observer)
+    return ctx
+
+
+class Projector:
+    """MM-ShiftKV's ``project_queries``: a per-layer ``q_proj`` (RoPE left out)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.weights = [torch.randn(HIDDEN, H_Q * D, generator=g) for _ in range(LAYERS)]
+
+    def __call__(self, layer, x, positions):
+        return (x @ self.weights[layer]).view(x.shape[0], H_Q, D)
+
+
+def _active(plans) -> list[torch.Tensor]:
+    """A refresh pass: the fresh tokens and a few selected reused ones."""
+    out = []
+    for plan in plans:
+        rows = plan.fresh_mask().clone()
+        rows[plan.reused_mask().nonzero().flatten()[::3]] = True
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(set(EVICTION_SCORERS) - {"random_keep"}))
+def test_streamed_eviction_rankings_equal_the_whole_row_reference(name):
+    knobs = {"num_samples": 64, "samples_per_group": 8} if name == "mmshiftkv" else {}
+    plans = _plans()
+    active = _active(plans)
+    spans_of = lambda p: list(p.images)  # noqa: E731
+
+    ranker = VisualRanker(make_eviction_scorer(name, **knobs), 0.5, spans_of)
+    ranker._projector = Projector()
+    observer = ranker.observer_for(list(plans), active)
+    assert observer.statistics is not None
+    ctx = _observed_pass(observer, 5, active)
+    assert observer.queries == {}  # only the statistics were kept
+    runner, batch = ctx.model_runner, ctx.forward_batch
+    streamed = ranker.rank_batch(observer, runner, batch, list(plans), active, list(ctx.views))
+
+    reference = VisualRanker(make_eviction_scorer(name, **knobs), 0.5, spans_of)
+    reference._projector = ranker._projector
+    kept = PrefillObserver(observer.rows)
+    ctx = _observed_pass(kept, 5, active)
+    for plan, view in zip(plans, ctx.views, strict=True):
+        want = reference.rankings(
+            kept,
+            ctx.model_runner,
+            ctx.forward_batch,
+            plan,
+            list(plan.images),
+            active[plan.index],
+            view,
+        )
+        got = [streamed[plan.index][span] for span in plan.images]
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-6)
+        assert [r.numel() for r in got] == [
+            e - s - int(plan.hole_mask()[s - plan.prefix_len : e - plan.prefix_len].sum())
+            for s, e in plan.images
+        ]
+
+
+def test_a_scorer_without_a_reduction_still_gets_every_layer():
+    """A scorer outside the reduction (a method reading whole rows) keeps today's path."""
+    _, seen, _ = _select(make_refresh_scorer("conduit"), whole_row=True)
+    assert all(s.layer_statistics is None and len(s.queries) == LAYERS for s in seen)
+
+
+def test_layer_reductions_name_what_the_pass_reads():
+    conduit = make_refresh_scorer("conduit", layers=[2, 0], query_span="last_text")
+    assert dataclasses.astuple(conduit.layer_reduction()) == ((0, 2), True, True)
+    assert not make_refresh_scorer("prophetkv").layer_reduction().needs_values
+    for name in ("first", "random", "full", "reuse", "cacheblend"):
+        assert make_refresh_scorer(name).layer_reduction() is None
