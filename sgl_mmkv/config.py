@@ -67,6 +67,7 @@ DEFAULT_REUSE_GATE = "cost"
 # --mm-segment-storage: "none", or a backend name of SGLang's StorageBackendFactory
 # (checked against the factory once SGLang is imported: sgl_mmkv.support).
 NO_SEGMENT_STORAGE = "none"
+MOONCAKE_STORAGE = "mooncake"  # Mooncake's own client (sgl_mmkv/segments/mooncake_store.py)
 SEGMENT_STORAGE_METAVAR = "{none,file,mooncake,hf3fs,nixl,...}"
 DEFAULT_STORAGE_DEADLINE_MS = 200.0
 MAX_STORAGE_DEADLINE_MS = 60_000.0
@@ -122,7 +123,8 @@ class MMKVConfig:
             ``mooncake``, ...) segments are written through to and loaded from.
         mm_segment_storage_dir: the ``file`` backend's directory.
         mm_segment_storage_config: JSON object passed to the backend as SGLang's
-            ``extra_config`` (empty: none).
+            ``extra_config`` (empty: none); with ``mooncake``, the keys of
+            ``sgl_mmkv.segments.mooncake_store.MooncakeSettings``.
         mm_segment_storage_deadline_ms: the longest a forward waits for one storage
             read; a later read is a counted miss.
         mm_segment_storage_max_gib: every entry of a ``file`` directory together
@@ -185,7 +187,9 @@ class MMKVConfig:
     )
     mm_segment_storage_config: str = _flag(
         "",
-        "JSON object passed to the --mm-segment-storage backend as SGLang's extra_config",
+        "JSON object passed to the --mm-segment-storage backend as SGLang's extra_config; "
+        "mooncake: master_server_address, metadata_server, local_hostname, protocol, "
+        "global_segment_size, local_buffer_size, ... (docs/deployment.md)",
         metavar="JSON",
     )
     mm_segment_storage_deadline_ms: float = _flag(
@@ -278,8 +282,23 @@ class MMKVConfig:
             )
         if name == "file" and not self.mm_segment_storage_dir:
             raise ConfigError("--mm-segment-storage file needs --mm-segment-storage-dir PATH")
+        if name == MOONCAKE_STORAGE:
+            self._check_mooncake_flags()
         self.storage_extra_config()
         self._check_storage_limits()
+
+    def _check_mooncake_flags(self) -> None:
+        if self.mm_segment_storage_dir:
+            raise ConfigError(
+                "--mm-segment-storage-dir is the file backend's; mooncake is set up by "
+                "--mm-segment-storage-config (master_server_address, metadata_server, ...)"
+            )
+        if self.mm_segment_storage_max_gib or self.mm_segment_storage_namespace_max_gib:
+            raise ConfigError(
+                "--mm-segment-storage-max-gib and --mm-segment-storage-namespace-max-gib cap "
+                "a file directory; Mooncake's master evicts by its own policy "
+                "(mooncake_master -eviction_high_watermark_ratio)"
+            )
 
     def _check_storage_limits(self) -> None:
         deadline = self.mm_segment_storage_deadline_ms

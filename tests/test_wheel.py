@@ -59,14 +59,16 @@ def _normalized(name: str) -> str:
 
 def declared_distributions(wheel: Path) -> set[str]:
     """The wheel's Requires-Dist without a marker, plus the ``gpu`` extra's (sglang,
-    the host), normalized; the ``test`` and ``bench`` extras do not count."""
+    the host) and the ``mooncake`` extra's (the optional store client), normalized;
+    the ``test`` and ``bench`` extras do not count."""
     archive = zipfile.ZipFile(wheel)
     metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
     declared = set()
     for line in archive.read(metadata).decode().splitlines():
         if line.startswith("Requires-Dist:"):
             requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
-            if requirement.marker is None or requirement.marker.evaluate({"extra": "gpu"}):
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": e}) for e in ("gpu", "mooncake")):
                 declared.add(_normalized(requirement.name))
     return declared
 

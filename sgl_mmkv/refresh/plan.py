@@ -155,36 +155,37 @@ def plan_request(
     store: SegmentStore, index: int, mm_inputs, prefix_len: int, extend_len: int
 ) -> RequestPlan:
     """The reuse plan of one request of an extend batch: its images are looked up and
-    filled in the request's own namespace only (none if its inputs were never tagged)."""
+    filled in the request's own namespace only (none if its inputs were never tagged).
+    The images in the extend are looked up together (``SegmentStore.lookup_many``: one
+    storage round trip for those missing in memory)."""
     seq_len = prefix_len + extend_len
     visual = torch.zeros(extend_len, dtype=torch.bool)
-    spans, fills, images = [], [], []
+    images, items = [], []
     namespace = read_namespace(mm_inputs)
     for item in getattr(mm_inputs, "mm_items", None) or []:
         span = item_span(item)
-        if span is None:
-            continue
+        if span is None or span[0] >= seq_len:
+            continue  # no content hash, or in a later chunk
         start, end = span
         lo, hi = max(start, prefix_len), min(end, seq_len)
-        if start >= seq_len:
-            continue  # in a later chunk
-        in_extend = lo < hi
-        if in_extend:
+        if lo < hi:
             visual[lo - prefix_len : hi - prefix_len] = True
-        whole = (lo, hi) == (start, end)
-        if whole:
+        if (lo, hi) == (start, end):
             images.append((start, end))
-        if namespace is UNTAGGED:
-            continue
-        key = item_key(item, namespace, end - start)
+        if namespace is not UNTAGGED:
+            items.append((item_key(item, namespace, end - start), start, end, lo, hi))
+    in_extend = [key for key, _, _, lo, hi in items if lo < hi]
+    found = dict(zip(in_extend, store.lookup_many(in_extend), strict=True)) if in_extend else {}
+    spans, fills = [], []
+    for key, start, end, lo, hi in items:
         positions = row_positions(mm_inputs, start, end)
-        if in_extend:  # an image cut by a chunk boundary is reused part by part
-            segment = store.lookup(key)
-            if segment is not None and segment.alive:
-                delta = constant_delta(positions, segment.positions)
-                if delta is not None:
-                    spans.append(ReuseSpan(lo, hi, segment, delta, -1 if whole else start))
-                    continue
+        segment = found.get(key)
+        if segment is not None and segment.alive:  # a chunk-cut image is reused part by part
+            delta = constant_delta(positions, segment.positions)
+            if delta is not None:
+                whole = (lo, hi) == (start, end)
+                spans.append(ReuseSpan(lo, hi, segment, delta, -1 if whole else start))
+                continue
         if end <= seq_len and key not in store:
             fills.append(FillCandidate(key, start, end, positions))
     return RequestPlan(

@@ -1,9 +1,10 @@
 """Image segments in SGLang's L3 storage (``HiCacheStorage``): the tier below the store.
 
 A segment is written through to a storage backend made by SGLang's own
-``StorageBackendFactory`` (``--mm-segment-storage file|mooncake|hf3fs|nixl|...``),
-so several server instances pointed at one storage reuse each other's images. An
-entry is two backend objects:
+``StorageBackendFactory`` (``--mm-segment-storage file|hf3fs|nixl|...``), or to
+Mooncake's store through its own client (``mooncake``,
+:mod:`~sgl_mmkv.segments.mooncake_store`), so several server instances pointed at
+one storage reuse each other's images. An entry is two backend objects:
 
 - ``<name>_h``: a header of :data:`HEADER_BYTES` bytes: magic, sha256 of its JSON,
   JSON length, then the JSON (format version, the full segment key, the KV
@@ -28,11 +29,13 @@ directory (:mod:`~sgl_mmkv.segments.file_directory`), and the forward waits for 
 read at most the deadline (:mod:`~sgl_mmkv.segments.deadline`); writes are queued
 and never waited for. With ``file`` the directory is kept under a total and a
 per-namespace size cap, old entries giving way (:mod:`~sgl_mmkv.segments.storage_caps`),
-and an entry found damaged is removed and written again at the next fill.
+and an entry found damaged is removed and written again at the next fill (also
+with ``mooncake``). With ``mooncake`` the headers of one request's images are read
+in one round trip, their payloads in one more (:meth:`SegmentStorage.fetch_many`).
 
 Nothing here raises into the server: a missing, truncated, corrupt, unsafe, foreign
-or late entry, or a backend that raises, is a miss (counted); a failed or refused
-write is counted and dropped.
+or late entry, a backend that raises or cannot be reached, is a miss (counted); a
+failed or refused write is counted and dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -68,11 +72,13 @@ from sgl_mmkv.segments.entry_format import (
 )
 from sgl_mmkv.segments.file_directory import FileDirectory, UnsafeObject, WrongSize
 from sgl_mmkv.segments.key import SegmentKey
+from sgl_mmkv.segments.mooncake_store import StoreUnavailable
 from sgl_mmkv.segments.storage_caps import StorageCaps
 
 logger = logging.getLogger(__name__)
 
 NO_STORAGE = "none"
+MOONCAKE = "mooncake"  # Mooncake's own client, not SGLang's HiCache backend
 GIB = 2**30
 # What SGLang 0.5.23's HiCacheFile appends to an object name for the config
 # open_storage gives it (no model name, TP rank 0 of 1); checked by the probe.
@@ -96,16 +102,17 @@ class StorageCounters(Counters):
     mismatched: int = 0  # an intact entry for another key or fingerprint: a miss
     unsafe: int = 0  # a symlink, FIFO, device or directory where an object should be
     errors: int = 0  # the backend raised: a miss or a dropped write
+    unavailable: int = 0  # not reachable (Mooncake: not set up, master down): a miss
     timeouts: int = 0  # a read past the deadline: a miss, the read is not waited for
     stalled: int = 0  # not read: an earlier read is still past its deadline
     load_skipped: int = 0  # found, but no free pool slots to load it into
     writes: int = 0
     write_skipped: int = 0  # already stored (by us or another instance)
-    write_failed: int = 0
+    write_failed: int = 0  # also: the store is full, or not reachable
     write_dropped: int = 0  # the write queue was full: not written
     write_slow: int = 0  # writes that took longer than the deadline (off the forward)
     rewritten: int = 0  # a damaged entry removed and written again
-    too_large: int = 0  # an entry larger than a cap: not written
+    too_large: int = 0  # an entry larger than a cap (or Mooncake's buffer): not written
     evicted: int = 0  # entries removed to keep the caps
     evicted_bytes: int = 0
     bytes_read: int = 0
@@ -138,6 +145,9 @@ class StorageLimits:
             max_bytes=int(config.mm_segment_storage_max_gib * GIB),
             namespace_max_bytes=int(config.mm_segment_storage_namespace_max_gib * GIB),
         )
+
+
+_MISS = {"lookups": 1, "misses": 1}
 
 
 class _Corrupt(Exception):
@@ -220,56 +230,116 @@ class SegmentStorage:
         """:meth:`load` on a worker thread, waited for at most the deadline: a read
         that takes longer (``timeouts``) or is not started because an earlier one is
         still running late (``stalled``) is a miss."""
+        return self.fetch_many([key])[0]
+
+    def fetch_many(self, keys: list[SegmentKey]) -> list[StoredSegment | None]:
+        """:meth:`fetch` of several keys (one request's images) under one deadline.
+        A backend that reads many objects at once (``read_many``: Mooncake) reads
+        every header in one round trip and the payloads found in one more."""
+        if not keys:
+            return []
         started = time.perf_counter()
-        outcome = self._reads.call(lambda: self._read_entry(key))
-        stored = None
+        outcome = self._reads.call(lambda: self._read_entries(keys))
         if outcome.status == DONE and outcome.error is None:
-            stored, counts = outcome.value
-        elif outcome.status == DONE:
-            counts = {"lookups": 1, "misses": 1, "errors": 1}
+            results = outcome.value
         else:
-            late = "timeouts" if outcome.status == TIMEOUT else "stalled"
-            counts = {"lookups": 1, "misses": 1, late: 1}
-        counts["load_seconds"] = time.perf_counter() - started
-        self.count(counts)
-        if stored is not None and self.caps is not None:
-            self._writes.put(lambda: self._touch(self.entry_name(key)))
-        return stored
+            late = {DONE: "errors", TIMEOUT: "timeouts"}.get(outcome.status, "stalled")
+            results = [(None, {**_MISS, late: 1}) for _ in keys]
+        total: dict[str, int | float] = {"load_seconds": time.perf_counter() - started}
+        for _, counts in results:
+            for name, value in counts.items():
+                total[name] = total.get(name, 0) + value
+        self.count(total)
+        found = [stored for stored, _ in results]
+        if self.caps is not None:
+            for key, stored in zip(keys, found, strict=True):
+                if stored is not None:
+                    self._writes.put(lambda key=key: self._touch(self.entry_name(key)))
+        return found
+
+    def _read_entries(self, keys: list[SegmentKey]) -> list[tuple[StoredSegment | None, dict]]:
+        """:meth:`_read_entry` of each key; with ``read_many``, every header in one
+        call, then every payload of an intact header in one more."""
+        read_many = getattr(self.backend, "read_many", None)
+        if self.directory is not None or read_many is None:
+            return [self._read_entry(key) for key in keys]
+        names = [self.entry_name(key) for key in keys]
+        injected_delay()
+        try:
+            headers = read_many([(name + "_h", HEADER_BYTES) for name in names])
+        except Exception as error:
+            return [(None, self._failure(name, error)) for name in names]
+        results: list = [None] * len(keys)
+        found = []
+        for i, (key, name, raw) in enumerate(zip(keys, names, headers, strict=True)):
+            try:
+                if isinstance(raw, Exception):
+                    raise raw
+                if raw is None:
+                    results[i] = (None, dict(_MISS))
+                    continue
+                found.append((i, *self._check_header(raw, name, key)))
+            except Exception as error:
+                results[i] = (None, self._failure(name, error))
+        try:
+            payloads = read_many([(f["payload"], f["payload_bytes"]) for _, f, _ in found])
+        except Exception as error:
+            payloads = [error] * len(found)
+        for (i, fields, layout), raw in zip(found, payloads, strict=True):
+            try:
+                if isinstance(raw, Exception):
+                    raise raw
+                results[i] = self._finish(names[i], fields, layout, raw)
+            except Exception as error:
+                results[i] = (None, self._failure(names[i], error))
+        return results
 
     def _read_entry(self, key: SegmentKey) -> tuple[StoredSegment | None, dict]:
         """The stored segment of ``key`` or None, and the counts of the read."""
-        counts: dict[str, int] = {"lookups": 1, "misses": 1}
         name = self.entry_name(key)
         injected_delay()
         try:
             found = self._header(name, key)
             if found is None:
-                return None, counts
+                return None, dict(_MISS)
             fields, layout = found
             payload = self._get(fields["payload"], fields["payload_bytes"])
-            if payload is None:
-                raise _Corrupt("payload missing")
-            if hashlib.sha256(payload).hexdigest() != fields["sha256"]:
-                raise _Corrupt("payload checksum")
-            stored = self._unpack(fields, layout, payload)
-        except (_Corrupt, BadHeader, WrongSize) as error:
-            return None, self._bad(counts, name, "corrupt", error)
-        except UnsafeObject as error:
-            return None, self._bad(counts, name, "unsafe", error)
-        except _Mismatched as error:
-            return None, self._bad(counts, name, "mismatched", error)
+            return self._finish(name, fields, layout, payload)
         except Exception as error:
-            self._error("read", error)
-            return None, {**counts, "errors": 1}
+            return None, self._failure(name, error)
+
+    def _finish(
+        self, name: str, fields: dict, layout: list, payload: bytes | None
+    ) -> tuple[StoredSegment, dict]:
+        """The segment of a checked header's ``payload``, and the counts of a hit."""
+        if payload is None:
+            raise _Corrupt("payload missing")
+        if hashlib.sha256(payload).hexdigest() != fields["sha256"]:
+            raise _Corrupt("payload checksum")
+        stored = self._unpack(fields, layout, payload)
         self._mark_damaged(name, False)
         return stored, {"lookups": 1, "hits": 1, "bytes_read": len(payload) + HEADER_BYTES}
+
+    def _failure(self, name: str, error: BaseException) -> dict:
+        """The counts of a read of entry ``name`` that raised ``error`` (a miss)."""
+        if isinstance(error, (_Corrupt, BadHeader, WrongSize)):
+            return self._bad(dict(_MISS), name, "corrupt", error)
+        if isinstance(error, UnsafeObject):
+            return self._bad(dict(_MISS), name, "unsafe", error)
+        if isinstance(error, _Mismatched):
+            return self._bad(dict(_MISS), name, "mismatched", error)
+        if isinstance(error, StoreUnavailable):
+            return {**_MISS, "unavailable": 1}
+        self._error("read", error)
+        return {**_MISS, "errors": 1}
 
     def _header(self, name: str, key: SegmentKey) -> tuple[dict, list] | None:
         """``(fields, payload layout)`` of ``name``'s header, checked against ``key`` and
         the fingerprint; None if there is no header."""
         raw = self._get(name + "_h", HEADER_BYTES)
-        if raw is None:
-            return None
+        return None if raw is None else self._check_header(raw, name, key)
+
+    def _check_header(self, raw: bytes, name: str, key: SegmentKey) -> tuple[dict, list]:
         fields = decode_header(raw)
         if fields is None or fields.get("version") != FORMAT_VERSION:
             raise _Corrupt("header")
@@ -289,6 +359,8 @@ class SegmentStorage:
                 return self.directory.read(name, size)
             except FileNotFoundError:
                 return None
+        if hasattr(self.backend, "read"):  # Mooncake: one call, exactly ``size`` bytes
+            return self.backend.read(name, size)
         if not self.backend.exists(name):
             return None
         target = torch.empty(size, dtype=torch.uint8)
@@ -347,11 +419,9 @@ class SegmentStorage:
                 self._touch(name)
                 return True
             if self._exists(name + "_h"):  # damaged, or its payload went: written again
-                if self.directory is None:
+                if not self._remove_entry(name):
                     self.count({"write_skipped": 1})
                     return False
-                self.directory.remove_entry(name)
-                self.caps.removed(name)
                 self.count({"rewritten": 1})
             parts = [tensor_bytes(t) for t in payload_parts(stored)]
             payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
@@ -369,6 +439,9 @@ class SegmentStorage:
             ):
                 self.count({"write_failed": 1})
                 return False
+        except StoreUnavailable:
+            self.count({"unavailable": 1, "write_failed": 1})
+            return False
         except Exception as error:
             self._error("write", error)
             self.count({"errors": 1, "write_failed": 1})
@@ -404,8 +477,24 @@ class SegmentStorage:
         except UnsafeObject:
             return True
 
+    def _remove_entry(self, name: str) -> bool:
+        """Remove entry ``name``'s objects; False where the backend cannot."""
+        if self.directory is not None:
+            self.directory.remove_entry(name)
+            self.caps.removed(name)
+            return True
+        remove = getattr(self.backend, "remove_entry", None)  # Mooncake
+        if remove is None:
+            return False
+        remove(name)
+        return True
+
     def _admit(self, name: str, size: int) -> bool:
         """Room under the caps (old entries give way); False: larger than a cap."""
+        largest = getattr(self.backend, "max_object_bytes", None)
+        if largest is not None and size - HEADER_BYTES > largest:
+            self.count({"too_large": 1})
+            return False
         if self.caps is None:
             return True
         done = self.caps.admit(name, size)
@@ -450,9 +539,10 @@ class SegmentStorage:
         """Write (once per storage) and read back a fixed probe object.
 
         SGLang's backends share one interface, but in 0.5.23 only some implement its
-        tensor ``get`` / ``set`` (``file`` does; ``mooncake`` is zero-copy only,
-        ``hf3fs`` and ``nixl`` moved to page batches, ``sim`` keeps no data). With
-        ``file`` the probe must be read back from the directory itself.
+        tensor ``get`` / ``set`` (``file`` does; ``hf3fs`` and ``nixl`` moved to page
+        batches, ``sim`` keeps no data; SGLang's ``mooncake`` is zero-copy only, so
+        segment storage uses Mooncake's own client). With ``file`` the probe must be
+        read back from the directory itself.
 
         Raises:
             StorageError: the probe did not round-trip.
@@ -467,12 +557,13 @@ class SegmentStorage:
         except Exception as error:
             raise StorageError(
                 f"{type(self.backend).__name__} does not store and return tensors through "
-                f"HiCacheStorage.get / set ({error}); segment storage is tested with file"
+                f"HiCacheStorage.get / set ({error}); segment storage supports file and "
+                "mooncake"
             ) from error
         if got != probe.numpy().tobytes():
             raise StorageError(
                 f"{type(self.backend).__name__} returned other bytes than were stored "
-                "for a probe object; segment storage is tested with file"
+                "for a probe object; segment storage supports file and mooncake"
             )
 
 
@@ -488,12 +579,15 @@ def open_storage(
 ) -> SegmentStorage:
     """A :class:`SegmentStorage` over SGLang's backend ``backend_name``, made by its
     ``StorageBackendFactory`` (``file``: ``directory`` is its ``file_storage_path``),
-    checked by a probe round trip (:meth:`SegmentStorage.check`).
+    checked by a probe round trip (:meth:`SegmentStorage.check`); ``mooncake``: over
+    Mooncake's own client (:func:`open_mooncake_storage`).
 
     Raises:
         StorageError: the factory does not know the backend or could not create it, or
             it does not store and return tensors.
     """
+    if backend_name == MOONCAKE:
+        return open_mooncake_storage(fingerprint, extra_config or {}, limits)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -533,6 +627,46 @@ def open_storage(
         "none (no directory)" if caps is None
         else f"{caps.max_bytes} bytes, {caps.namespace_max_bytes} per namespace",
     )  # fmt: skip
+    return storage
+
+
+def open_mooncake_storage(
+    fingerprint: KVFingerprint, config: dict[str, Any], limits: StorageLimits | None = None
+) -> SegmentStorage:
+    """A :class:`SegmentStorage` in Mooncake's store (``config``: the keys of
+    :class:`~sgl_mmkv.segments.mooncake_store.MooncakeSettings`). Waits for the
+    client's set-up at most its ``connect_timeout_s``, then probes it; a store that
+    is not reachable or fails the probe is logged, and its reads and writes are
+    counted misses and failures until it is (never a refusal: the master may come
+    back). The client is closed when the storage is garbage (the launcher's probe).
+
+    Raises:
+        StorageError: a bad config, or Mooncake's client is not installed.
+    """
+    from sgl_mmkv.segments.mooncake_store import MooncakeObjects, MooncakeSettings, import_client
+
+    try:
+        settings = MooncakeSettings.parse(config)
+        client_class = import_client()
+    except (ValueError, ImportError) as error:
+        raise StorageError(f"--mm-segment-storage {MOONCAKE}: {error}") from error
+    objects = MooncakeObjects(settings, client_class)
+    storage = SegmentStorage(objects, fingerprint, limits)
+    weakref.finalize(storage, objects.close).atexit = False  # at exit: Mooncake's own
+    master = settings.master_server_address
+    if not objects.wait_ready(settings.connect_timeout_s):
+        logger.warning(
+            "sgl_mmkv: Mooncake master %s not reached in %g s; segment storage counts "
+            "misses (unavailable) until it is", master, settings.connect_timeout_s,
+        )  # fmt: skip
+        return storage
+    try:
+        storage.check()
+    except StorageError as error:
+        logger.warning("sgl_mmkv: Mooncake probe failed (%s); reads and writes are "
+                       "counted misses and failures while it fails", error)  # fmt: skip
+    logger.info("sgl_mmkv: segment storage in Mooncake (master %s, %s), read deadline %g ms",
+                master, settings.protocol, storage.limits.deadline_s * 1000)  # fmt: skip
     return storage
 
 

@@ -153,6 +153,31 @@ class SegmentStore:
         self.counters.hits += 1
         return segment
 
+    def lookup_many(self, keys: list[SegmentKey]) -> list[Segment | None]:
+        """:meth:`lookup` of each of ``keys`` (one request's images), the keys missed in
+        memory looked up in the L3 storage together: one deadline for all, and with
+        Mooncake one round trip for their headers
+        (:meth:`~sgl_mmkv.segments.storage.SegmentStorage.fetch_many`)."""
+        missed = [key for key in dict.fromkeys(keys) if key not in self._segments]
+        fetched: dict[SegmentKey, StoredSegment | None] = {}
+        if self.storage is not None and missed:
+            fetched = dict(zip(missed, self.storage.fetch_many(missed), strict=True))
+        out = []
+        for key in keys:  # counted as lookup() counts them
+            self.counters.lookups += 1
+            if key in fetched:
+                self.counters.misses += 1
+                out.append(self._install(key, fetched.pop(key)))
+                continue
+            segment = self._segments.get(key)
+            if segment is None:
+                self.counters.misses += 1
+            else:
+                self._segments.move_to_end(key)
+                self.counters.hits += 1
+            out.append(segment)
+        return out
+
     def peek(self, key: SegmentKey) -> Segment | None:
         """The segment for ``key`` without counting a lookup or touching the LRU order."""
         return self._segments.get(key)
@@ -213,7 +238,11 @@ class SegmentStore:
 
     def _load(self, key: SegmentKey) -> Segment | None:
         """``key``'s segment from the L3 storage, in fresh store slots, or None."""
-        stored = self.storage.fetch(key)
+        return self._install(key, self.storage.fetch(key))
+
+    def _install(self, key: SegmentKey, stored: StoredSegment | None) -> Segment | None:
+        """``stored`` (read from the L3 storage for ``key``) in fresh store slots, or
+        None (nothing read, shapes that do not fit, no free slots; counted)."""
         if stored is None:
             return None
         k0 = self.kv_pool.get_key_buffer(0)
