@@ -31,7 +31,7 @@ from sgl_mmkv.testing.server import (
     stock_cpu_env,
 )
 
-HOLED = ["--mm-reuse", "reuse", "--mm-reuse-gate", "always", REPORT_REUSE, "--sleep-on-idle"]
+HOLED = ["--mm-reuse", "reuse", "--mm-reuse-gate", "always", REPORT_REUSE]
 HOLED += ["--enable-streaming-session"]
 HOLED += ["--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "fill"]
 DECODED = 8

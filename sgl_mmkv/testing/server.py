@@ -19,7 +19,9 @@ import requests
 
 from sgl_mmkv.cpu_support import cpu_environment
 
-# Small-pool CPU settings shared by both sides of every comparison.
+# Small-pool CPU settings shared by both sides of every comparison. An idle SGLang
+# scheduler busy-polls a core unless it sleeps on idle (a zmq poll that wakes on the
+# next request): on a 2-core machine two servers up at once would slow each other.
 CPU_SERVER_ARGS: tuple[str, ...] = (
     "--device",
     "cpu",
@@ -32,6 +34,7 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     "--random-seed",
     "0",
     "--enable-cache-report",
+    "--sleep-on-idle",
 )
 
 
