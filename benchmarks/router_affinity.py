@@ -11,8 +11,10 @@ phase: ``rounds`` rounds, each asking about every document (seeded random order)
 under a new system prompt with its pages in a new order. Streaming, one output token.
 
 - ``round_robin``: ``--policy round_robin``, no routing key;
-- ``affinity``: ``--policy manual --assignment-mode min_load``, each request sending
-  ``X-SMG-Routing-Key`` from ``sgl_mmkv.routing.affinity_headers`` (its images);
+- ``affinity``: ``--policy manual --assignment-mode min_load`` behind the gateway
+  (``python -m sgl_mmkv.gateway``), which sets ``X-SMG-Routing-Key`` from each
+  request's images; the client sends no header (results before the gateway existed
+  were measured with the same key sent by the client);
 - ``round_robin + L3``: ``--policy round_robin`` over two instances that share
   ``--mm-segment-storage file`` (a fresh directory): a missed image is loaded.
 
@@ -24,6 +26,7 @@ instance's counters (``/get_server_info``, ``--mm-report-reuse``). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import random
@@ -42,8 +45,7 @@ import torch
 
 from harness.servers import prepare_bench
 from harness.workloads import _image_url
-from sgl_mmkv.routing import affinity_headers
-from sgl_mmkv.testing.router import RouterProcess
+from sgl_mmkv.testing.router import GatewayProcess, RouterProcess
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
 
 QUESTION = "What do these pages say?"
@@ -76,18 +78,13 @@ def _messages(system: str, seeds: list[int], size: int) -> list[dict]:
     ]
 
 
-def _ttft_ms(url: str, messages: list[dict], affinity: bool) -> float:
+def _ttft_ms(url: str, messages: list[dict]) -> float:
     """Time to the first streamed chunk of one chat request, in ms."""
     body = {"model": "default", "messages": messages, "max_tokens": 1, "temperature": 0}
-    headers = affinity_headers(messages) if affinity else {}
     start = time.perf_counter()
     first = None
     with requests.post(
-        url + "/v1/chat/completions",
-        json={**body, "stream": True},
-        headers=headers,
-        stream=True,
-        timeout=600,
+        url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=600
     ) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text}")
@@ -107,13 +104,14 @@ def _counts(servers: list[ServerProcess]) -> list[dict[str, float]]:
     return out
 
 
-def _phase(router, servers, requests_: list[list[dict]], affinity: bool) -> dict:
-    """Send requests one at a time; TTFTs, which instance served each, counter deltas."""
+def _phase(url: str, servers, requests_: list[list[dict]]) -> dict:
+    """Send requests one at a time to ``url``; TTFTs, which instance served each,
+    counter deltas."""
     ttft, served = [], []
     total = {name: 0.0 for _, name in COUNTED}
     for messages in requests_:
         before = _counts(servers)
-        ttft.append(_ttft_ms(router.base_url, messages, affinity))
+        ttft.append(_ttft_ms(url, messages))
         after = _counts(servers)
         served.append(
             [i for i in range(len(servers)) if after[i]["requests"] > before[i]["requests"]]
@@ -139,11 +137,15 @@ def _run(config: str, router_args: list[str], servers, args, base_seed: int, log
     urls = [s.base_url for s in servers]
     log = logs / f"router-{config.replace(' ', '').replace('+', '-')}.log"
     with RouterProcess(urls, router_args[0], log, router_args[1:]) as router:
-        read = _phase(router, servers, reads, affinity)
-        query = _phase(router, servers, queries, affinity)
+        gateway_log = log.with_suffix(".gateway.log")
+        front = GatewayProcess(router.base_url, gateway_log) if affinity else None
+        with front or contextlib.nullcontext(router) as entry:  # clients send no key
+            read = _phase(entry.base_url, servers, reads)
+            query = _phase(entry.base_url, servers, queries)
     c = query["counters"]
     return {
         "router": "python -m sglang_router.launch_router --policy " + shlex.join(router_args),
+        "gateway": "python -m sgl_mmkv.gateway --router-url ROUTER" if affinity else None,
         "read": read,
         "query": query,
         "hit_rate": c["reused_tokens"] / c["image_tokens"] if c["image_tokens"] else 0.0,

@@ -19,7 +19,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("refresh",),
     ("patches",),
     ("radix_cache", "assembly"),
-    ("plugin", "launch_server", "frontend", "routing"),
+    ("plugin", "launch_server", "frontend", "routing", "gateway"),
     ("testing",),
 )
 FLOOR_OF = {unit: level for level, units in enumerate(FLOORS) for unit in units}
