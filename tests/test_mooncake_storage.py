@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,6 +258,21 @@ def test_a_master_down_at_start_is_unavailable_then_used_once_it_is_up(tmp_path)
         storage.backend.close()
 
 
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (SIGSTOP is delivered
+    asynchronously: a thread still running may answer one more request)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = {
+            Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            for tid in os.listdir(f"/proc/{pid}/task")
+        }
+        if states <= {"T", "t"}:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop: {states}")
+
+
 def test_a_stopped_master_is_not_set_up_with(tmp_path):
     """Mooncake's ``setup`` may hold the GIL while it waits for a master: one that
     accepts connections but does not answer (stopped) is never handed to it."""
@@ -269,6 +285,7 @@ def test_a_stopped_master_is_not_set_up_with(tmp_path):
         assert unreachable(settings) is None
         cluster.master.send_signal(signal.SIGSTOP)
         try:
+            wait_stopped(cluster.master.pid)
             started = time.monotonic()
             assert "metadata service" in unreachable(settings, timeout_s=0.5)
             assert time.monotonic() - started < 2

@@ -153,6 +153,16 @@ def test_plan_leaves_prefix_and_partial_images_alone(store):
     assert plan.spans == () and plan.fills == ()
 
 
+def test_an_image_shown_again_after_the_prefix_is_reused_only_where_it_is_extended(store):
+    # Row: 0-3 image A (turn 1, in the cached prefix), 4-5 text, 6-9 image A again.
+    mrope = torch.arange(12).repeat(3, 1)
+    store.fill(_key(11, 4), store.allocator.alloc(4), mrope[:, 0:4])
+    plan = plan_request(store, 0, _mm([_item(11, 0, 3), _item(11, 6, 9)], mrope), 6, 6)
+    assert [(s.start, s.end, s.delta) for s in plan.spans] == [(6, 10, 6)]
+    assert plan.fills == () and plan.reused_tokens == 4
+    assert plan.reused_mask().tolist() == [True] * 4 + [False] * 2
+
+
 def test_an_image_cut_by_a_chunk_boundary_is_reused_part_by_part(store):
     # Row: 0-7 text, 8-11 image B (stored 3 positions earlier); chunks [0, 10), [10, 14).
     mrope = torch.arange(14).repeat(3, 1)

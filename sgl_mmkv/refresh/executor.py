@@ -224,6 +224,7 @@ class RefreshExecutor:
             "sgl_mmkv: refresh path failed (%r) for rids %s; the batch runs as stock",
             error,
             forward_batch.rids,
+            exc_info=error if self.counters.fallbacks == 1 else None,  # the first in full
         )
 
 

@@ -179,7 +179,7 @@ def plan_request(
     spans, fills = [], []
     for key, start, end, lo, hi in items:
         positions = row_positions(mm_inputs, start, end)
-        segment = found.get(key)
+        segment = found.get(key) if lo < hi else None  # the same image may be in the prefix
         if segment is not None and segment.alive:  # a chunk-cut image is reused part by part
             delta = constant_delta(positions, segment.positions)
             if delta is not None:
