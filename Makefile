@@ -15,9 +15,10 @@ serve: install
 demo: install
 	$(PYTHON) -m harness.demo
 
-# What CI runs (.ci/run): lint, then every test not marked slow.
+# What CI runs (.ci/run): lint, then every test not marked slow, on two workers
+# (a test module stays on one worker, so its server starts once).
 test: install lint
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow" -n 2 --dist loadfile --durations=25
 
 # The slow tests only (a training script end to end).
 test-slow: install

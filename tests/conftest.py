@@ -17,6 +17,14 @@ if not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config) -> None:
+    """A server whose batches fell back to stock answers right, so only its log
+    tells: every test server fails its test on a fallback it was not told to expect."""
+    from sgl_mmkv.testing.server import ServerProcess
+
+    ServerProcess.strict_fallbacks = True
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -18,6 +18,7 @@ import psutil
 import requests
 
 from sgl_mmkv.cpu_support import cpu_environment
+from sgl_mmkv.refresh.faults import FAULT_FILE_ENV
 
 # Small-pool CPU settings shared by both sides of every comparison. An idle SGLang
 # scheduler busy-polls a core unless it sleeps on idle (a zmq poll that wakes on the
@@ -88,8 +89,23 @@ def stock_cpu_env() -> dict[str, str]:
     return env
 
 
+FALLBACK_LINE = "sgl_mmkv: refresh path failed"
+
+
+class UnexpectedFallback(AssertionError):
+    """Our path failed mid-forward in a server that was not told to expect it."""
+
+
 class ServerProcess:
-    """One server process tree. Use as a context manager or call :meth:`stop`."""
+    """One server process tree. Use as a context manager or call :meth:`stop`.
+
+    With :attr:`strict_fallbacks` set (the test suite sets it), leaving the context
+    raises :class:`UnexpectedFallback` when our path fell back to stock in this server
+    (the answers stay right, so only the log tells) unless ``allow_fallbacks`` or a
+    fault file in ``env`` says the test expects it.
+    """
+
+    strict_fallbacks: bool = False
 
     def __init__(
         self,
@@ -100,6 +116,7 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
+        allow_fallbacks: bool = False,
     ) -> None:
         self._module, self._model_path, self._extra_args = module, model_path, extra_args
         self._chosen_port = port is None
@@ -107,6 +124,7 @@ class ServerProcess:
         self._use_port(port or free_port())
         self._env = env if env is not None else stock_cpu_env()
         self._cwd = cwd
+        self._allow_fallbacks = allow_fallbacks or FAULT_FILE_ENV in self._env
         self.process: subprocess.Popen | None = None
 
     def _use_port(self, port: int) -> None:
@@ -213,5 +231,15 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def fallback_lines(self) -> list[str]:
+        """The log lines where our path fell back to stock for a batch."""
+        return [line for line in self.log_text().splitlines() if FALLBACK_LINE in line]
+
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if exc_type is None and self.strict_fallbacks and not self._allow_fallbacks:
+            lines = self.fallback_lines()
+            if lines:
+                raise UnexpectedFallback(
+                    f"{len(lines)} batch(es) fell back to stock in {self.log_path}: {lines[0]}"
+                )
