@@ -30,6 +30,7 @@ from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
     REPORT_REUSE,
+    ServerPool,
     ServerProcess,
     mmkv_stats,
     stock_cpu_env,
@@ -46,7 +47,7 @@ def _server_args(pool_tokens: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_vlm, tmp_path_factory):
-    """name -> running server; all stopped at the end."""
+    """name -> server, started when a test first asks for it (two up at once)."""
     logs = tmp_path_factory.mktemp("logs")
     configs = {
         "lru": _server_args(2048),
@@ -78,22 +79,18 @@ def servers(tiny_vlm, tmp_path_factory):
         "snapkv_decode_retracting": {**stock_cpu_env(), "SGLANG_TEST_RETRACT": "1"},
         "snapkv_fill_poisoned": {**stock_cpu_env(), POISON_ENV: "1"},
     }
-    procs = {
-        name: ServerProcess(
-            "sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name, env=envs.get(name)
-        )
-        for name, args in configs.items()
-    }
+    servers = ServerPool(
+        {
+            name: ServerProcess(
+                "sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name, env=envs.get(name)
+            )
+            for name, args in configs.items()
+        }
+    )
     try:
-        # Started three at a time: start-up is mostly single-threaded imports and
-        # loading, and SGLang sizes each KV pool from the memory free while it loads.
-        with ThreadPoolExecutor(3) as pool:
-            for started in [pool.submit(p.start, 400.0) for p in procs.values()]:
-                started.result()
-        yield procs
+        yield servers
     finally:
-        for proc in procs.values():
-            proc.stop()
+        servers.close()
 
 
 def _client(server) -> openai.OpenAI:

@@ -1,4 +1,5 @@
-"""ServerProcess starts again on a new port when its chosen port is taken before it binds."""
+"""ServerProcess starts again on a new port when its chosen port is taken before it binds;
+it fails its test on a fallback it was not told to expect; ServerPool bounds how many run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 import requests
 
 import sgl_mmkv.testing.server as server_module
-from sgl_mmkv.testing.server import PortInUse, ServerProcess
+from sgl_mmkv.refresh.faults import FAULT_FILE_ENV
+from sgl_mmkv.testing.server import (
+    FALLBACK_LINE,
+    PortInUse,
+    ServerPool,
+    ServerProcess,
+    UnexpectedFallback,
+)
 
 FAKE_SERVER = """
 import argparse, http.server, sys, time
@@ -76,3 +84,55 @@ def test_a_port_given_by_the_caller_is_not_replaced(tmp_path, fake_server_env):
     finally:
         blocker.close()
     assert sys.executable in server.command
+
+
+def _log_a_fallback(server: ServerProcess) -> None:
+    with open(server.log_path, "a") as log:
+        log.write(f"[t] {FALLBACK_LINE} (RuntimeError('x')) for rids ['r']\n")
+
+
+def test_an_unexpected_fallback_fails_on_exit_an_expected_one_does_not(
+    tmp_path, fake_server_env, monkeypatch
+):
+    monkeypatch.setattr(ServerProcess, "strict_fallbacks", True)
+    with pytest.raises(UnexpectedFallback, match="1 batch"):
+        with ServerProcess("fake_server", "m", env=fake_server_env, log_path=tmp_path / "a") as s:
+            _log_a_fallback(s)
+    assert s.process.poll() is not None  # stopped before the check
+    expected = [
+        {"allow_fallbacks": True, "env": fake_server_env},
+        {"env": {**fake_server_env, FAULT_FILE_ENV: str(tmp_path / "faults")}},
+    ]
+    for i, kwargs in enumerate(expected):
+        with ServerProcess("fake_server", "m", log_path=tmp_path / f"b{i}", **kwargs) as s:
+            _log_a_fallback(s)
+        assert len(s.fallback_lines()) == 1
+
+
+def test_a_server_pool_keeps_at_most_max_alive_up_least_recently_used_out(
+    tmp_path, fake_server_env
+):
+    pool = ServerPool(
+        {
+            name: ServerProcess("fake_server", "m", env=fake_server_env, log_path=tmp_path / name)
+            for name in "abc"
+        },
+        max_alive=2,
+        timeout_s=30,
+    )
+    servers = {name: pool._servers[name] for name in pool}
+
+    def running() -> list[str]:
+        return sorted(n for n, s in servers.items() if s.process and s.process.poll() is None)
+
+    try:
+        pool["a"], pool["b"]
+        assert running() == ["a", "b"] and pool.starts == 2
+        pool["a"]  # a is now the most recent: c stops b
+        pool["c"]
+        assert running() == ["a", "c"] and pool.starts == 3
+        assert requests.get(pool["b"].base_url + "/health", timeout=5).status_code == 200
+        assert running() == ["b", "c"] and pool.starts == 4
+    finally:
+        pool.close()
+    assert running() == [] and len(pool) == 3

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -235,11 +235,69 @@ class ServerProcess:
         """The log lines where our path fell back to stock for a batch."""
         return [line for line in self.log_text().splitlines() if FALLBACK_LINE in line]
 
+    def check_fallbacks(self) -> None:
+        """Raise :class:`UnexpectedFallback` if :attr:`strict_fallbacks` is set and the
+        log shows a fallback this server was not told to expect."""
+        if not self.strict_fallbacks or self._allow_fallbacks:
+            return
+        lines = self.fallback_lines()
+        if lines:
+            raise UnexpectedFallback(
+                f"{len(lines)} batch(es) fell back to stock in {self.log_path}: {lines[0]}"
+            )
+
     def __exit__(self, exc_type, *exc) -> None:
         self.stop()
-        if exc_type is None and self.strict_fallbacks and not self._allow_fallbacks:
-            lines = self.fallback_lines()
-            if lines:
-                raise UnexpectedFallback(
-                    f"{len(lines)} batch(es) fell back to stock in {self.log_path}: {lines[0]}"
-                )
+        if exc_type is None:
+            self.check_fallbacks()
+
+
+class ServerPool(Mapping[str, ServerProcess]):
+    """Servers by name, each started when first asked for, at most ``max_alive`` up
+    at once: the least recently asked for is stopped first (and started again, with
+    a fresh cache, if asked for later). A test module with many configurations then
+    holds the memory of two or three servers, not of all of them.
+
+    Args:
+        servers: name -> a server not started yet.
+        max_alive: how many may run at once (a test uses at most this many).
+        timeout_s: start-up timeout of each.
+    """
+
+    def __init__(
+        self, servers: dict[str, ServerProcess], max_alive: int = 2, timeout_s: float = 400.0
+    ) -> None:
+        self._servers, self._max_alive, self._timeout_s = servers, max_alive, timeout_s
+        self._order: list[str] = []  # running, least recently asked for first
+        self.starts = 0
+
+    def __getitem__(self, name: str) -> ServerProcess:
+        server = self._servers[name]
+        if name in self._order:
+            self._order.remove(name)
+        else:
+            while len(self._order) >= self._max_alive:
+                self._stop(self._order.pop(0))
+            server.start(self._timeout_s)
+            self.starts += 1
+        self._order.append(name)
+        return server
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._servers)
+
+    def __len__(self) -> int:
+        return len(self._servers)
+
+    def _stop(self, name: str) -> None:
+        server = self._servers[name]
+        server.stop()
+        server.check_fallbacks()
+
+    def close(self) -> None:
+        """Stop every running server (then check their logs for fallbacks)."""
+        names, self._order = self._order, []
+        for name in names:
+            self._servers[name].stop()
+        for name in names:
+            self._servers[name].check_fallbacks()
