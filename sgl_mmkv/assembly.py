@@ -24,10 +24,12 @@ from sgl_mmkv.segments.store import SegmentStore
 logger = logging.getLogger(__name__)
 
 
-def assemble_runtime(config: MMKVConfig, cache: Any, identity: str) -> MMKVRuntime:
+def assemble_runtime(
+    config: MMKVConfig, cache: Any, identity: str, embeds: tuple[int, str] = (0, "")
+) -> MMKVRuntime:
     """This process's runtime for ``config`` over the pools of ``cache`` (the
-    ``MMKVRadixCache`` SGLang just built); ``identity`` is the served model's (the
-    storage fingerprint's part)."""
+    ``MMKVRadixCache`` SGLang just built); ``identity`` is the served model's and
+    ``embeds`` its vision encoder's output layout (the storage fingerprint's parts)."""
     if cache.page_size != 1:
         raise ConfigError(
             f"--mm-reuse {config.mm_reuse} needs --page-size 1 (got {cache.page_size})"
@@ -35,7 +37,7 @@ def assemble_runtime(config: MMKVConfig, cache: Any, identity: str) -> MMKVRunti
     allocator = cache.token_to_kv_pool_allocator
     kv_pool = allocator.get_kvcache()
     compress = config.mm_kv_budget if config.uses_scored_eviction else None
-    store = SegmentStore(allocator, kv_pool, compress, _storage(config, kv_pool, identity))
+    store = SegmentStore(allocator, kv_pool, compress, _storage(config, kv_pool, identity, embeds))
     ranker, compactor = None, None
     if config.uses_scored_eviction:
         if config.compresses_at_decode or config.reuses_with_holes:
@@ -57,7 +59,7 @@ def assemble_runtime(config: MMKVConfig, cache: Any, identity: str) -> MMKVRunti
     return MMKVRuntime(store, executor, compactor, slot, identity, cache.metrics)
 
 
-def _storage(config: MMKVConfig, kv_pool, identity: str):
+def _storage(config: MMKVConfig, kv_pool, identity: str, embeds: tuple[int, str]):
     """The L3 segment storage of ``--mm-segment-storage``, or None."""
     if not config.uses_segment_storage:
         return None
@@ -65,7 +67,7 @@ def _storage(config: MMKVConfig, kv_pool, identity: str):
 
     storage = open_storage(
         config.mm_segment_storage,
-        KVFingerprint.of_pool(kv_pool, identity, config.mm_segment_fill),
+        KVFingerprint.of_pool(kv_pool, identity, config.mm_segment_fill, embeds),
         config.mm_segment_storage_dir or None,
         config.storage_extra_config(),
         StorageLimits.of_config(config),

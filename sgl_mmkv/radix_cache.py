@@ -33,7 +33,7 @@ from sgl_mmkv.assembly import assemble_runtime
 from sgl_mmkv.config import ConfigError, MMKVConfig, active_config
 from sgl_mmkv.metrics import MMKVMetrics, metrics_enabled
 from sgl_mmkv.refresh.runtime import MMKVRuntime, publish
-from sgl_mmkv.segments.fingerprint import model_identity
+from sgl_mmkv.segments.fingerprint import embedding_layout, model_identity
 from sgl_mmkv.segments.index import SegmentIndex
 from sgl_mmkv.segments.key import item_key, item_span, request_namespace, tag_namespace
 from sgl_mmkv.segments.store import SegmentStore
@@ -254,7 +254,8 @@ def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:
         raise ConfigError(f"sgl_mmkv refuses to start: {refusal}") from None
     cache = create_unified_radix_cache(ctx, cache_class=MMKVRadixCache)
     if config.uses_refresh:
-        runtime = assemble_runtime(config, cache, model_identity(ctx.model_config))
+        model = ctx.model_config
+        runtime = assemble_runtime(config, cache, model_identity(model), embedding_layout(model))
         cache.attach(runtime)
         publish(runtime)
     return cache

@@ -5,8 +5,9 @@ The test starts ``mooncake_master`` (with its HTTP metadata service) and a stora
 process holding the store's memory on the loopback; the servers are clients that add
 no memory. Instance A reads images and writes their segments through, then is
 stopped by PID. Instance B, started later, has never seen them: it reuses them under
-a new prefix (loaded from the store), and at budget 1.0 its answer equals a stock
-server's full prefill. Another ``cache_salt`` never loads A's segment.
+a new prefix (loaded from the store, with the image's vision-encoder output: no
+vision tower), and at budget 1.0 its answer equals a stock server's full prefill.
+Another ``cache_salt`` never loads A's segment.
 
 The store is untrusted input: entries of A are replaced with a raw client as anyone
 with access to the store could (a garbage header, a header claiming 100 GiB, a header
@@ -43,12 +44,13 @@ from tests.test_segment_storage_server import (
     _chat,
     _scheduler_peak_rss,
     _storage,
+    _vision,
     _wait_writes,
 )
 
 X, Y, Z = make_image(1301), make_image(1302), make_image(1303)
 DAMAGED = {name: make_image(1310 + i) for i, name in enumerate(
-    ("garbage", "huge", "foreign", "gone")
+    ("garbage", "huge", "foreign", "gone", "embeds")
 )}  # fmt: skip
 DAMAGE_SYSTEM = "B reads a damaged entry."
 FULL_SYSTEM, FULL = "B reads into a full store.", make_image(1320)
@@ -146,6 +148,8 @@ def test_b_reuses_a_image_it_never_saw_and_equals_stock_full_prefill(instance_b,
     assert stats["storage"]["hits"] - before["storage"]["hits"] == 1
     assert stats["store"]["loaded"] - before["store"]["loaded"] == 1
     assert stats["storage"]["writes"] == 0  # loaded, not written back
+    # the image's encoder output came with its KV: no vision tower for it
+    assert _vision(stats, before) == {"embeddings_loaded": 1, "skipped": 1, "encoded": 0}
 
 
 def test_another_salt_never_loads_a_segment(instance_b):
@@ -176,8 +180,9 @@ def _rewrite_header(raw, header: str, **changes) -> None:
 
 @pytest.mark.parametrize(
     "name, counter",
-    [("garbage", "corrupt"), ("huge", "corrupt"), ("foreign", "mismatched"), ("gone", "corrupt")],
-)
+    [("garbage", "corrupt"), ("huge", "corrupt"), ("foreign", "mismatched"), ("gone", "corrupt"),
+     ("embeds", "corrupt")],
+)  # fmt: skip
 def test_a_damaged_entry_is_a_counted_miss_with_stock_s_answer(
     instance_b, shared, raw, name, counter
 ):
@@ -193,13 +198,22 @@ def test_a_damaged_entry_is_a_counted_miss_with_stock_s_answer(
     elif name == "foreign":  # an intact entry of another fill policy at this name
         kv = decode_header(raw.get(header))["kv"]
         _rewrite_header(raw, header, kv={**kv, "fill": "canonical"})
+    elif name == "embeds":  # image embeddings claiming a million rows (~256 MiB)
+        fields = decode_header(raw.get(header))
+        rows, width = fields["embeds"]
+        claimed = fields["payload_bytes"] + (10**6 - rows) * width * 2
+        _rewrite_header(raw, header, embeds=[10**6, width], payload_bytes=claimed)
     else:
         raw.remove(payload, True)
     peak = _scheduler_peak_rss(instance_b)
-    before = _storage(instance_b)
+    stats_before = mmkv_stats(instance_b.base_url)
+    before = stats_before["storage"]
     got = _chat(instance_b, DAMAGE_SYSTEM, DAMAGED[name])
     assert got["reused"] == 0
     _assert_same_answer(got, shared["stock"][name])
+    # no embeddings from the damaged entry: the vision tower encoded the image
+    vision = _vision(mmkv_stats(instance_b.base_url), stats_before)
+    assert vision == {"embeddings_loaded": 0, "skipped": 0, "encoded": 1}
     after = _wait_writes(instance_b, before["writes"] + before["write_failed"] + 1)
     assert after[counter] == before[counter] + 1 and after["hits"] == before["hits"]
     assert after["bytes_read"] == before["bytes_read"] and after["errors"] == before["errors"]

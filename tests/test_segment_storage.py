@@ -5,6 +5,8 @@ Storage is untrusted input: planted headers are refused before anything is read 
 allocated, objects that are not regular files of the directory are never opened as
 such, reads wait at most the deadline, writes never wait, the caps hold, a damaged
 entry is written again, and the fingerprint tells two models at one path apart.
+Entries carry the image's vision-encoder output when the fingerprint has its layout:
+bit exact, bounded by the key before allocation, older formats misses.
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ from tests.test_segment_store import Allocator, Pool
 
 SHARED = Namespace(None, None)
 FINGERPRINT = KVFingerprint("models/m", "torch.float32", 2, 2, 4, 4)
+EMBED_WIDTH = 6  # the vision encoder's output per image token, under EMBEDDED
+EMBEDDED = KVFingerprint("models/m", "torch.float32", 2, 2, 4, 4, embed_width=EMBED_WIDTH,
+                         embed_dtype="torch.bfloat16")  # fmt: skip
 
 
 def key(content: int = 7, namespace: Namespace = SHARED, n: int = 5) -> SegmentKey:
     return SegmentKey(namespace, content.to_bytes(32, "big"), "IMAGE", (1, 4, 4), n)
 
 
-def stored(n: int = 5, compressed: bool = False, dtype=torch.float32) -> StoredSegment:
+def stored(
+    n: int = 5, compressed: bool = False, dtype=torch.float32, embeddings: int = 0
+) -> StoredSegment:
+    """``embeddings``: rows of a ``(rows, EMBED_WIDTH)`` bfloat16 encoder output (0: none)."""
     torch.manual_seed(n)
     kept = torch.tensor([0, 2, 3]) if compressed else None
     m = 3 if compressed else n
@@ -45,6 +53,7 @@ def stored(n: int = 5, compressed: bool = False, dtype=torch.float32) -> StoredS
         ranking=torch.rand(n) if compressed else None,
         keys=torch.randn(2, m, 2, 4).to(dtype),
         values=torch.randn(2, m, 2, 4).to(dtype),
+        embeddings=torch.randn(embeddings, EMBED_WIDTH).bfloat16() if embeddings else None,
     )
 
 
@@ -58,7 +67,7 @@ def files(directory) -> list[str]:
 
 
 def assert_same(a: StoredSegment, b: StoredSegment) -> None:
-    for name in ("positions", "kept", "ranking", "keys", "values"):
+    for name in ("positions", "kept", "ranking", "keys", "values", "embeddings"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
@@ -224,9 +233,9 @@ def test_header_is_fixed_size(storage, tmp_path):
 # -- the store over the storage: write-through on fill, load on a memory miss ----------
 
 
-def make_store(tmp_path, size: int = 64) -> SegmentStore:
+def make_store(tmp_path, size: int = 64, embeds: tuple[int, str] = (0, "")) -> SegmentStore:
     pool = Pool(size)
-    fingerprint = KVFingerprint.of_pool(pool, "models/m")
+    fingerprint = KVFingerprint.of_pool(pool, "models/m", embeds=embeds)
     return SegmentStore(
         Allocator(size), pool, storage=open_storage("file", fingerprint, str(tmp_path))
     )
@@ -252,6 +261,45 @@ def test_fill_writes_through_and_another_store_loads_it_bit_exact(tmp_path):
     b.evict_lru(5)
     assert b.lookup(key()) is not None and b.storage.counters.hits == 2
     assert b.storage.counters.writes == 0  # loaded segments are not written back
+
+
+def test_a_segment_s_embeddings_travel_with_it_to_another_store(tmp_path):
+    layout = (EMBED_WIDTH, "torch.bfloat16")
+    a = make_store(tmp_path, embeds=layout)
+    rows = torch.randn(5, EMBED_WIDTH).bfloat16()
+    segment = a.fill(key(), a.allocator.alloc(5), torch.arange(15).reshape(3, 5), None, rows)
+    assert (
+        torch.equal(segment.embeddings, rows) and segment.embeddings.data_ptr() != rows.data_ptr()
+    )
+    assert a.storage.drain() and a.embedding_bytes == 5 * EMBED_WIDTH * 2
+    b = make_store(tmp_path, embeds=layout)
+    loaded = b.lookup(key())
+    assert torch.equal(loaded.embeddings.view(torch.int16), rows.view(torch.int16))
+    assert (b.counters.loaded, b.counters.embeddings_loaded) == (1, 1)
+    assert b.stats()["embedding_bytes"] == 5 * EMBED_WIDTH * 2
+    b.evict_lru(5)
+    assert b.embedding_bytes == 0 and loaded.embeddings is None
+
+
+def test_embeddings_beyond_the_cap_let_the_least_recently_used_go():
+    one = 5 * EMBED_WIDTH * 4
+    store = SegmentStore(Allocator(64), Pool(64), embeddings_max_bytes=2 * one)
+    rows = torch.randn(5, EMBED_WIDTH)
+
+    def fill(i: int):
+        return store.fill(key(i), store.allocator.alloc(5), torch.arange(5)[None], None, rows)
+
+    segments = [fill(i) for i in range(3)]
+    assert [s.embeddings is not None for s in segments] == [False, True, True]
+    assert (store.embedding_bytes, store.counters.embeddings_dropped) == (2 * one, 1)
+    assert store.lookup(key(1)) is segments[1]  # now the most recently used
+    fill(3)
+    assert [s.embeddings is not None for s in segments] == [False, True, False]
+    assert not store.attach_embeddings(segments[0], torch.randn(11, EMBED_WIDTH))  # > the cap
+    assert store.attach_embeddings(segments[0], rows) and segments[1].embeddings is None
+    assert store.embedding_bytes == 2 * one and store.counters.embeddings_dropped == 3
+    store.clear(free_slots=True)
+    assert store.embedding_bytes == 0
 
 
 def test_compressed_segment_loads_with_its_kept_tokens(tmp_path):
@@ -364,6 +412,7 @@ def plant_header(storage: SegmentStorage, k: SegmentKey, **changes) -> None:
         "ranking": False,
         "k_shape": [2, n, 2, 4],
         "v_shape": [2, n, 2, 4],
+        "embeds": None,
         "sha256": "0" * 64,
     }
     fields.update(changes)
@@ -435,6 +484,101 @@ def test_every_stored_entry_fits_the_bound_of_its_key(storage, tmp_path):
         if "_p" in f:
             assert os.path.getsize(tmp_path / f) <= bound
     assert bound == 3 * 5 * 8 + 5 * 8 + 5 * 4 + 2 * 5 * 2 * (4 + 4) * 4
+
+
+# -- the image's vision-encoder output, in the entry ----------------------------------
+
+
+@pytest.mark.parametrize("rows", [5, 3])  # every image token, or fewer (Pixtral's breaks)
+def test_embeddings_round_trip_bit_exact_within_the_bound_of_the_key(tmp_path, rows):
+    from sgl_mmkv.segments.entry_format import max_payload_bytes
+
+    storage = open_storage("file", EMBEDDED, directory=str(tmp_path))
+    original = stored(compressed=True, embeddings=rows)
+    assert storage.save(key(), original)
+    assert_same(original, storage.load(key()))
+    assert_same(original, open_storage("file", EMBEDDED, str(tmp_path)).load(key()))
+    bound = max_payload_bytes(key(), EMBEDDED)
+    assert bound == max_payload_bytes(key(), FINGERPRINT) + 5 * EMBED_WIDTH * 2
+    assert os.path.getsize(object_path(storage, tmp_path, key(), "_p")) <= bound
+
+
+@pytest.mark.parametrize(
+    "embeddings",
+    [
+        torch.randn(5, EMBED_WIDTH + 1).bfloat16(),
+        torch.randn(5, EMBED_WIDTH),
+        torch.randn(6, EMBED_WIDTH).bfloat16(),
+    ],
+    ids=["width", "dtype", "rows"],
+)
+def test_embeddings_of_another_layout_are_left_out_and_the_kv_stored(tmp_path, embeddings):
+    storage = open_storage("file", EMBEDDED, directory=str(tmp_path))
+    original = stored()
+    original.embeddings = embeddings
+    assert storage.save(key(), original)
+    original.embeddings = None
+    assert_same(original, storage.load(key()))
+
+
+def test_a_fingerprint_without_the_layout_stores_no_embeddings(storage):
+    assert storage.save(key(), stored(embeddings=5))
+    assert storage.load(key()).embeddings is None
+
+
+EMBEDS_BASE = 3 * 5 * 8 + 2 * 2 * 5 * 2 * 4 * 4  # positions, K and V of 5 tokens
+
+
+@pytest.mark.parametrize(
+    "embeds",
+    [[5, EMBED_WIDTH], [6, EMBED_WIDTH], [HUGE, EMBED_WIDTH], [5, 10**9], [5, EMBED_WIDTH + 1],
+     [0, EMBED_WIDTH], [5], [5, 6.0], "5x6"],
+    ids=["fits", "rows>n", "100GiB", "width_huge", "width", "rows0", "short", "float", "str"],
+)  # fmt: skip
+def test_a_planted_embeddings_section_is_refused_before_any_payload_read(
+    tmp_path, monkeypatch, embeds
+):
+    """The header's embeddings must fit the key (at most a row per image token) and the
+    fingerprint's layout; only then is the payload it names read (``fits``: read, and
+    missing: corrupt all the same)."""
+    from sgl_mmkv.segments.file_directory import FileDirectory
+
+    storage = open_storage("file", EMBEDDED, directory=str(tmp_path))
+    reads = []
+    real_read = FileDirectory.read
+    monkeypatch.setattr(
+        FileDirectory,
+        "read",
+        lambda self, name, size: reads.append(size) or real_read(self, name, size),
+    )
+    claimed = embeds[0] * embeds[1] * 2 if isinstance(embeds, list) and len(embeds) == 2 else 0
+    plant_header(storage, key(), embeds=embeds, payload_bytes=int(EMBEDS_BASE + claimed))
+    assert storage.load(key()) is None
+    fits = embeds == [5, EMBED_WIDTH] and all(type(d) is int for d in embeds)
+    assert reads == ([HEADER_BYTES, EMBEDS_BASE + 5 * EMBED_WIDTH * 2] if fits else [HEADER_BYTES])
+    c = storage.counters
+    assert (c.corrupt, c.misses, c.hits, c.errors, c.bytes_read) == (1, 1, 0, 0, 0)
+
+
+def test_an_entry_of_the_previous_format_is_a_miss_and_the_next_fill_writes_anew(
+    tmp_path, monkeypatch
+):
+    """Entries of format 2 (no embeddings) have other names: never read, never counted
+    corrupt; the next fill writes a format-3 entry with the embeddings."""
+    import sgl_mmkv.segments.storage as storage_module
+
+    storage = open_storage("file", EMBEDDED, directory=str(tmp_path))
+    current = storage.entry_name(key())
+    with monkeypatch.context() as patched:
+        patched.setattr(storage_module, "FORMAT_VERSION", 2)
+        assert storage.entry_name(key()) != current
+        assert storage.save(key(), stored())
+    assert storage.load(key()) is None
+    c = storage.counters
+    assert (c.lookups, c.misses, c.corrupt, c.bytes_read) == (1, 1, 0, 0)
+    assert storage.save(key(), stored(embeddings=5))
+    assert (c.writes, c.write_skipped) == (2, 0)
+    assert_same(stored(embeddings=5), storage.load(key()))
 
 
 # -- the file directory: regular files of the directory only, never blocking ----------

@@ -4,7 +4,10 @@ Instance A reads images and writes their segments through to the storage directo
 then is stopped by PID. Instance B (same fill policy), started later on the same
 directory, has never seen them: it reuses them under a new prefix (loaded from
 storage), and at budget 1.0 its answer equals a stock server's full prefill.
-Another ``cache_salt`` never loads A's segment.
+Another ``cache_salt`` never loads A's segment. A's entries carry the images'
+vision-encoder output: B runs no vision tower for an image it loads, and B2 (budget
+0.1: a partial refresh) answers from the stored embeddings exactly as from embeddings
+it computes itself (the entry rewritten without them).
 
 The directory is untrusted input: entries of A are then damaged or replaced as
 someone who can write the directory could (a header claiming 100 GiB or 0.5 GiB, a
@@ -41,12 +44,21 @@ from sgl_mmkv.testing.server import (
 )
 
 TOKENS_PER_IMAGE = 16
+HIDDEN = 128  # the tiny model's: its vision encoder's output per image token
+VISION = ("vision_encoded", "vision_skipped")
+EMBEDDING_WARNINGS = (  # refresh/segment_embeddings.py's fallbacks to the stock encoders
+    "sgl_mmkv: stored image embeddings not used",
+    "sgl_mmkv: image embeddings built as stock",
+    "sgl_mmkv: image embeddings not captured",
+    "sgl_mmkv: reading a segment for L3 failed",
+)
 # qwen2_vl at budget 1.0 reproduces full prefill (tests/test_architectures_server.py)
 TOLERANCE = 1e-3
 X, Y, Z, V = make_image(1201), make_image(1202), make_image(1203), make_image(1204)
+W = make_image(1207)  # B2 reads it with and without its stored embeddings
 # images whose entries the tests damage, each once
 DAMAGED = {name: make_image(1210 + i) for i, name in enumerate(
-    ("huge", "half", "fifo", "symlink", "gone")
+    ("huge", "half", "fifo", "symlink", "gone", "embeds_rows", "embeds_bytes")
 )}  # fmt: skip
 PROBE_SYSTEM = "Instance B asks, in other words."
 DAMAGE_SYSTEM = "B reads a damaged entry."
@@ -144,8 +156,10 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
     try:
         a.start()
         a_before = _storage(a)  # after SGLang's warm-up request
+        a_store_before = mmkv_stats(a.base_url)["store"]
         seen: set[str] = _entries(storage)
         shown = [("X", X, {}), ("Y", Y, {"cache_salt": "tenant-A"}), ("Z", Z, {}), ("V", V, {})]
+        shown.append(("W", W, {}))
         for name, image, extra in [*shown, *((n, im, {}) for n, im in DAMAGED.items())]:
             assert _chat(a, "Instance A reads.", image, **extra)["reused"] == 0
             _wait_writes(a, a_before["writes"] + len(files) + 1)
@@ -160,6 +174,7 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
         "storage": storage,
         "files": files,
         "a_before": a_before,
+        "a_store_before": a_store_before,
         "a": a_stats,
         "logs": logs,
     }
@@ -174,10 +189,84 @@ def instance_b(tiny_vlm, shared):
 
 def test_instance_a_wrote_every_new_segment_through(shared):
     before, after = shared["a_before"], shared["a"]["storage"]
-    shown = 4 + len(DAMAGED)
+    shown = 5 + len(DAMAGED)
     assert after["writes"] - before["writes"] == shown and after["write_failed"] == 0
     assert after["hits"] == 0 and after["lookups"] - before["lookups"] == shown
     assert all(len(f) == 2 for f in shared["files"].values())  # a header and a payload each
+    vision = {k: shared["a"]["store"][k] - shared["a_store_before"][k] for k in VISION}
+    assert vision == {"vision_encoded": shown, "vision_skipped": 0}  # one tower run per image
+    fields = decode_header(_part(shared["storage"], shared["files"]["X"], "h").read_bytes())
+    assert fields["embeds"] == [TOKENS_PER_IMAGE, HIDDEN]  # the image's encoder output
+
+
+def _vision(after: dict, before: dict) -> dict:
+    """What the vision tower did between two ``mmkv_stats``: images whose embeddings a
+    segment held (``skipped``), images encoded, segments loaded with embeddings."""
+    a, b = after["store"], before["store"]
+    return {
+        "embeddings_loaded": a["embeddings_loaded"] - b["embeddings_loaded"],
+        "skipped": a["vision_skipped"] - b["vision_skipped"],
+        "encoded": a["vision_encoded"] - b["vision_encoded"],
+    }
+
+
+def _without_embeddings(shared, name: str) -> int:
+    """Rewrite A's entry of image ``name`` with its KV alone (as an instance whose
+    encoder output did not fit would have written it), through the storage itself.
+    Returns the bytes of the embeddings it had."""
+    from sgl_mmkv.segments.key import Namespace, SegmentKey
+    from sgl_mmkv.segments.storage import KVFingerprint, open_storage
+
+    directory, files = shared["storage"], shared["files"][name]
+    header = _part(directory, files, "h")
+    fields = decode_header(header.read_bytes())
+    k = fields["key"]
+    key = SegmentKey(
+        Namespace(k["namespace_seed"], k["lora_id"]), bytes.fromhex(k["content"]),
+        k["modality"], tuple(k["grid"]), k["num_tokens"],
+    )  # fmt: skip
+    storage = open_storage("file", KVFingerprint(**fields["kv"]), str(directory))
+    stored = storage.load(key)
+    assert stored is not None and stored.embeddings is not None
+    size = stored.embeddings.numel() * stored.embeddings.element_size()
+    stored.embeddings = None
+    for f in files:
+        (directory / f).unlink()
+    assert storage.save(key, stored)
+    assert decode_header(header.read_bytes())["embeds"] is None  # the same name
+    return size
+
+
+def test_b2_partial_refresh_from_stored_embeddings_equals_recomputed_ones(tiny_vlm, shared):
+    """At budget 0.1 the refresh pass recomputes the text and a few image tokens from
+    their input embeddings: the answer from A's stored encoder output is B2's own to the
+    last bit. The segment B2 loads without embeddings keeps those it computed."""
+    args = _mmkv_args(shared["storage"])
+    args[args.index("--mm-refresh-budget") + 1] = "0.1"
+    log = shared["logs"] / "b2.log"
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log) as b2:
+        before = mmkv_stats(b2.base_url)
+        stored = _chat(b2, PROBE_SYSTEM, W)
+        after = mmkv_stats(b2.base_url)
+        assert stored["reused"] == TOKENS_PER_IMAGE
+        assert _vision(after, before) == {"embeddings_loaded": 1, "skipped": 1, "encoded": 0}
+        flush_cache(b2.base_url)  # memory only: the entry stays
+        size = _without_embeddings(shared, "W")
+        computed = _chat(b2, PROBE_SYSTEM, W)
+        again = mmkv_stats(b2.base_url)
+        assert computed["reused"] == TOKENS_PER_IMAGE
+        assert again["storage"]["hits"] - after["storage"]["hits"] == 1
+        assert _vision(again, after) == {"embeddings_loaded": 0, "skipped": 0, "encoded": 1}
+        assert computed == stored  # text and every top logprob, exactly
+        # the loaded segment keeps what B2 computed (the store held nothing else)
+        assert again["store"]["embedding_bytes"] == size == TOKENS_PER_IMAGE * HIDDEN * 2
+    _assert_no_embedding_warning(log.read_text())
+
+
+def _assert_no_embedding_warning(log: str) -> None:
+    """No stored embeddings given up on, no build left to stock, nothing uncaptured."""
+    for line in EMBEDDING_WARNINGS:
+        assert line not in log, line
 
 
 def test_b_reuses_a_image_it_never_saw_and_equals_stock_full_prefill(instance_b, shared):
@@ -189,6 +278,7 @@ def test_b_reuses_a_image_it_never_saw_and_equals_stock_full_prefill(instance_b,
     assert stats["storage"]["hits"] - before["storage"]["hits"] == 1
     assert stats["store"]["loaded"] - before["store"]["loaded"] == 1
     assert stats["storage"]["writes"] == 0  # loaded, not written back
+    assert _vision(stats, before) == {"embeddings_loaded": 1, "skipped": 1, "encoded": 0}
 
 
 def test_another_salt_never_loads_a_segment(instance_b):
@@ -295,6 +385,43 @@ def test_a_truncated_entry_is_a_miss_not_an_error(instance_b, shared):
     assert _chat(instance_b, "B reads it again.", Z)["reused"] == TOKENS_PER_IMAGE
 
 
+@pytest.mark.parametrize("name", ["embeds_rows", "embeds_bytes"])
+def test_a_damaged_embeddings_section_is_a_miss_and_the_tower_runs(instance_b, shared, name):
+    """``embeds_rows``: a header (valid checksum) whose embeddings claim a million rows
+    of a 16-token image, about 256 MiB: refused before the payload is read or anything
+    allocated. ``embeds_bytes``: the payload's last bytes (the encoder output) changed:
+    its checksum fails. Either way a counted miss, and B's vision tower encodes the
+    image."""
+    directory, files = shared["storage"], shared["files"][name]
+    if name == "embeds_rows":
+        header = _part(directory, files, "h")
+        fields = decode_header(header.read_bytes())
+        rows, width = fields["embeds"]
+        claim = 10**6
+        fields.update(embeds=[claim, width])
+        fields["payload_bytes"] += (claim - rows) * width * 2
+        header.write_bytes(encode_header(fields).numpy().tobytes())
+    else:
+        payload = _part(directory, files, "p")
+        data = bytearray(payload.read_bytes())
+        data[-64:] = bytes(255 - b for b in data[-64:])
+        payload.write_bytes(bytes(data))
+    peak = _scheduler_peak_rss(instance_b)
+    before = mmkv_stats(instance_b.base_url)
+    got = _chat(instance_b, DAMAGE_SYSTEM, DAMAGED[name])
+    assert got["reused"] == 0
+    _assert_same_answer(got, shared["stock"][name])
+    after = mmkv_stats(instance_b.base_url)
+    s, b = after["storage"], before["storage"]
+    assert (s["corrupt"] - b["corrupt"], s["hits"] - b["hits"], s["errors"] - b["errors"]) == (
+        1, 0, 0,
+    )  # fmt: skip
+    if name == "embeds_rows":
+        assert s["bytes_read"] == b["bytes_read"]
+    assert _vision(after, before) == {"embeddings_loaded": 0, "skipped": 0, "encoded": 1}
+    assert _scheduler_peak_rss(instance_b) - peak < SLACK_BYTES
+
+
 def _directory_bytes(storage) -> int:
     return sum(os.path.getsize(storage / f) for f in _entries(storage) if "probe" not in f)
 
@@ -382,3 +509,11 @@ def test_removed_storage_directory_gives_misses_not_failed_requests(instance_b, 
     assert after["write_failed"] >= before["write_failed"] + 1
     assert _chat(instance_b, "B, the new image again.", fresh)["reused"] == TOKENS_PER_IMAGE
     assert requests.get(instance_b.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_no_fallback_nor_embedding_warning_in_the_logs(instance_b, shared):
+    """A's and B's logs so far (B2's is checked in its test; every server's log for
+    ``refresh path failed`` when it stops)."""
+    for log in ((shared["logs"] / "a.log").read_text(), instance_b.log_text()):
+        assert "sgl_mmkv: refresh path failed" not in log
+        _assert_no_embedding_warning(log)

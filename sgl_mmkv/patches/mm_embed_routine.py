@@ -8,6 +8,11 @@ and the language model gets the active rows. The other per-token inputs that
 ``prepare_mm_inputs`` writes into its ``kwargs`` (Qwen3-VL's DeepStack features)
 are kept with the embeddings and passed at the same rows. Outside a refresh pass
 the stock routine runs.
+
+Either way an extend that embeds images builds them with its encoders wrapped
+(``refresh/segment_embeddings.py``): an image whose segment holds its encoder output
+skips the vision tower, and the output of the others is captured for the segments
+the forward fills.
 """
 
 from __future__ import annotations
@@ -31,20 +36,26 @@ def embed_active_rows(
     **kwargs: Any,
 ):
     from sgl_mmkv.refresh.runtime import current
+    from sgl_mmkv.refresh.segment_embeddings import segment_encoders
 
-    embeddings = current().embedding_slot.current
+    runtime = current()
+    slot = runtime.embedding_slot
+    embeddings = slot.current
     if embeddings is None:
-        return original(
-            input_ids,
-            forward_batch,
-            language_model,
-            multimodal_model,
-            data_embedding_funcs,
-            placeholder_tokens,
-            use_deepstack if use_deepstack is not None else {},
-            feature_dtypes,
-            **kwargs,
-        )
+        with segment_encoders(
+            runtime.store, slot, forward_batch, multimodal_model, data_embedding_funcs
+        ) as funcs:
+            return original(
+                input_ids,
+                forward_batch,
+                language_model,
+                multimodal_model,
+                funcs,
+                placeholder_tokens,
+                use_deepstack if use_deepstack is not None else {},
+                feature_dtypes,
+                **kwargs,
+            )
     import torch
     from sglang.srt.managers.mm_utils import prepare_mm_inputs
 
@@ -54,14 +65,19 @@ def embed_active_rows(
         full = embeddings.full_batch
         started = time.perf_counter()
         made: dict[str, Any] = {}
-        with forward_context(ForwardContext(attn_backend=embeddings.stock_backend)):
+        with (
+            forward_context(ForwardContext(attn_backend=embeddings.stock_backend)),
+            segment_encoders(
+                runtime.store, slot, full, multimodal_model, data_embedding_funcs
+            ) as funcs,
+        ):
             embeddings.embeds = prepare_mm_inputs(
                 full.input_ids,
                 full,
                 language_model,
                 made,
                 multimodal_model,
-                data_embedding_funcs,
+                funcs,
                 placeholder_tokens,
                 use_deepstack if use_deepstack is not None else {},
                 feature_dtypes,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_mmkv.segments.key import SegmentKey
+
 
 @dataclass
 class EmbeddingPass:
@@ -43,10 +45,18 @@ class EmbeddingPass:
 class EmbeddingSlot:
     """The embedding pass of the refresh pass running now in this process, if any
     (``patches/mm_embed_routine.py`` reads it; the scheduler runs one forward at a
-    time)."""
+    time), and ``captured``: the vision encoder's output per image of the last
+    embedding build, segment key -> ``(rows, W)`` (``refresh/segment_embeddings.py``),
+    for the segments the forward fills (``refresh/fill.py`` takes it)."""
 
     def __init__(self) -> None:
         self.current: EmbeddingPass | None = None
+        self.captured: dict[SegmentKey, torch.Tensor] = {}
+
+    def take_captured(self) -> dict[SegmentKey, torch.Tensor]:
+        """``captured``, emptied."""
+        captured, self.captured = self.captured, {}
+        return captured
 
     @contextmanager
     def using(self, state: EmbeddingPass) -> Iterator[EmbeddingPass]:

@@ -8,7 +8,9 @@ boundary, sits in the cached prefix, or directly follows another image) is not
 stored under ``canonical`` (counted in ``store.canonical_skipped``): a canonical
 segment never holds a request's context. With scored eviction each new segment
 carries the ranking of its tokens, and with ``--mm-compress-at fill`` it is
-compressed at once.
+compressed at once. Each new segment keeps its image's vision-encoder output as the
+forward's embedding build captured it (``refresh/segment_embeddings.py``), and a
+segment reused without one (loaded from an entry that had none) gets it then.
 """
 
 from __future__ import annotations
@@ -50,17 +52,22 @@ class SegmentFiller:
         the token before the image in this extend; an image without it is not
         stored (``store.canonical_skipped``)."""
         rankings = rankings or {}
+        embeddings = ctx.embedding_slot.take_captured()
         canonical = []
         for plan in ctx.plans:
             for fill in plan.fills:
                 if self.fill_policy != "canonical":
-                    self._copy_fill(ctx, plan, fill, rankings)
+                    self._copy_fill(ctx, plan, fill, rankings, embeddings.get(fill.key))
                 elif fill.start > plan.prefix_len:
                     canonical.append((plan, fill))
                 else:
                     self.store.counters.canonical_skipped += 1
         if canonical:
-            self._fill_canonical(ctx, canonical, rankings)
+            self._fill_canonical(ctx, canonical, rankings, embeddings)
+        for key, rows in embeddings.items():  # segments that had none (an older entry)
+            segment = self.store.peek(key)
+            if segment is not None and segment.embeddings is None:
+                self.store.attach_embeddings(segment, rows)
         if self.compress_budget is not None:
             for key in rankings:
                 segment = self.store.peek(key)
@@ -68,16 +75,16 @@ class SegmentFiller:
                     self.store.compress(segment, self.compress_budget)
         fault_point("fill")
 
-    def _copy_fill(self, ctx: ExtendContext, plan, fill, rankings) -> None:
-        """Store ``fill`` from the KV the request computed for it (policy ``first``)."""
+    def _copy_fill(self, ctx: ExtendContext, plan, fill, rankings, embeddings) -> None:
+        """Store ``fill`` from the KV the request computed for it (policy ``first``),
+        with its image's ``embeddings`` ``(rows, W)`` if captured."""
         pool_index = ctx.forward_batch.req_pool_indices[plan.index]
         row = ctx.model_runner.req_to_token_pool.req_to_token[pool_index]
         ranking = (rankings or {}).get(fill.key)
-        self.store.fill(
-            fill.key, row[fill.start : fill.end].to(torch.long), fill.positions, ranking
-        )
+        src = row[fill.start : fill.end].to(torch.long)
+        self.store.fill(fill.key, src, fill.positions, ranking, embeddings)
 
-    def _fill_canonical(self, ctx: ExtendContext, fills, rankings) -> None:
+    def _fill_canonical(self, ctx: ExtendContext, fills, rankings, embeddings) -> None:
         """One pass over ``[token before the image, image tokens]`` of every fill, each
         group attending to itself only, at the request's positions; the image rows'
         KV goes straight into fresh store slots. The request's own KV is untouched."""
@@ -96,6 +103,8 @@ class SegmentFiller:
             if segment is None:
                 continue
             segment.pinned = True  # not evicted or compressed before its KV is written
+            if fill.key in embeddings:
+                self.store.attach_embeddings(segment, embeddings[fill.key])
             reserved.append(segment)
             group[plan.index][lo - 1 : hi] = len(reserved)
             slot[plan.index][lo:hi] = segment.slots.cpu()
@@ -124,5 +133,6 @@ class SegmentFiller:
         finally:
             for segment in reserved:
                 segment.pinned = False
+            ctx.embedding_slot.take_captured()  # the pass's own build, if any: taken above
         for segment in reserved:  # its KV is complete now: on to the L3 storage, if any
             self.store.write_through(segment)

@@ -2,11 +2,14 @@
 
 An entry is a header of :data:`HEADER_BYTES` bytes (magic, sha256 of its JSON, the
 JSON's length, then the JSON) and a payload of raw tensor bytes, named by its
-checksum (:func:`payload_name`). :mod:`sgl_mmkv.segments.storage` reads and writes
+checksum (:func:`payload_name`). Since version 3 the payload may end with the image's
+vision-encoder output (``embeds`` in the header), so a loading instance skips the
+vision tower for it. :mod:`sgl_mmkv.segments.storage` reads and writes
 them through SGLang's storage backends. A header is untrusted input:
 :func:`payload_layout` checks every field against the key and the fingerprint
 before anything is read or allocated, so a load never reads more than
-:func:`max_payload_bytes` of the key.
+:func:`max_payload_bytes` of the key. Entries of older versions have other names
+(the version is part of them): they are misses, and the next fill writes a new one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from sgl_mmkv.segments.key import SegmentKey
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the optional embeddings section
 HEADER_BYTES = 4096
 MAGIC = b"SGLMMKV\x01"
 PREFIX_BYTES = len(MAGIC) + 32 + 4  # magic, sha256 of the JSON, JSON length (big endian)
@@ -42,6 +45,10 @@ class KVFingerprint:
         fill: ``--mm-segment-fill`` (``first`` KV carries its request's context,
             ``canonical`` KV does not: they are not interchangeable).
         pool: the KV pool's class (quantized pools store other bytes).
+        embed_width: the width of the vision encoder's output per image token (the
+            language model's hidden size, times 1 + its DeepStack layers for
+            Qwen3-VL); 0: entries carry no embeddings.
+        embed_dtype: the dtype of that output (the model's).
     """
 
     model: str
@@ -52,15 +59,32 @@ class KVFingerprint:
     v_head_dim: int
     fill: str = "first"
     pool: str = ""
+    embed_width: int = 0
+    embed_dtype: str = ""
 
     @classmethod
-    def of_pool(cls, kv_pool, model: str, fill: str = "first") -> KVFingerprint:
-        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer)."""
+    def of_pool(
+        cls, kv_pool, model: str, fill: str = "first", embeds: tuple[int, str] = (0, "")
+    ) -> KVFingerprint:
+        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer);
+        ``embeds``: ``(embed_width, embed_dtype)`` of the model's vision encoder output."""
         k, v = kv_pool.get_key_buffer(0), kv_pool.get_value_buffer(0)
         return cls(
             model, str(k.dtype), int(kv_pool.layer_num), int(k.shape[1]), int(k.shape[2]),
-            int(v.shape[2]), fill, type(kv_pool).__name__,
+            int(v.shape[2]), fill, type(kv_pool).__name__, int(embeds[0]), str(embeds[1]),
         )  # fmt: skip
+
+    def fits_embeddings(self, embeddings: torch.Tensor, key: SegmentKey) -> bool:
+        """Whether ``embeddings`` ``(n_e, embed_width)`` can be stored with ``key``'s
+        segment: this layout, at most one row per image token."""
+        shape = tuple(embeddings.shape)
+        return (
+            self.embed_width > 0
+            and str(embeddings.dtype) == self.embed_dtype
+            and len(shape) == 2
+            and 0 < shape[0] <= key.num_tokens
+            and shape[1] == self.embed_width
+        )
 
 
 @dataclass(slots=True)
@@ -73,6 +97,8 @@ class StoredSegment:
         ranking: ``(n,)`` float32 eviction ranking, or None.
         keys: ``(L, m, H, D)`` K of the kept tokens, every layer.
         values: ``(L, m, H, Dv)`` V of the kept tokens, every layer.
+        embeddings: ``(n_e, W)`` the vision encoder's output for the image (its rows
+            for the image's placeholder tokens, DeepStack features included), or None.
     """
 
     positions: torch.Tensor
@@ -80,6 +106,7 @@ class StoredSegment:
     ranking: torch.Tensor | None
     keys: torch.Tensor
     values: torch.Tensor
+    embeddings: torch.Tensor | None = None
 
 
 def key_fields(key: SegmentKey) -> dict[str, Any]:
@@ -111,7 +138,10 @@ def payload_parts(stored: StoredSegment) -> list[torch.Tensor]:
         parts.append(stored.kept.to(torch.long))
     if stored.ranking is not None:
         parts.append(stored.ranking.to(torch.float32))
-    return [*parts, stored.keys, stored.values]
+    parts += [stored.keys, stored.values]
+    if stored.embeddings is not None:
+        parts.append(stored.embeddings)
+    return parts
 
 
 def encode_header(fields: dict[str, Any]) -> torch.Tensor | None:
@@ -179,10 +209,11 @@ def _ints(value, length: int) -> tuple[int, ...]:
 def max_payload_bytes(key: SegmentKey, fp: KVFingerprint) -> int:
     """The most payload bytes an entry of ``key`` can have under ``fp``: positions
     (at most :data:`MAX_POSITION_ROWS` rows), kept indices, ranking, K and V of every
-    token."""
+    token, and an embedding row of ``fp.embed_width`` per token."""
     n = key.num_tokens
     kv = fp.layers * n * fp.heads * (fp.head_dim + fp.v_head_dim) * dtype_of(fp.dtype).itemsize
-    return MAX_POSITION_ROWS * n * 8 + n * 8 + n * 4 + kv
+    embeds = n * fp.embed_width * dtype_of(fp.embed_dtype).itemsize if fp.embed_width else 0
+    return MAX_POSITION_ROWS * n * 8 + n * 8 + n * 4 + kv + embeds
 
 
 def payload_layout(
@@ -201,6 +232,7 @@ def payload_layout(
         k_shape, v_shape = _ints(fields["k_shape"], 4), _ints(fields["v_shape"], 4)
         kept, ranking = fields["kept"], fields["ranking"]
         size, digest, payload = fields["payload_bytes"], fields["sha256"], fields["payload"]
+        embeds = None if fields["embeds"] is None else _ints(fields["embeds"], 2)
     except (KeyError, TypeError, ValueError) as error:
         raise BadHeader(f"bad layout ({error!r})") from error
     n = key.num_tokens
@@ -223,6 +255,10 @@ def payload_layout(
     if ranking:
         shapes.append(((n,), torch.float32))
     shapes += [(k_shape, dtype), (v_shape, dtype)]
+    if embeds is not None:
+        if fp.embed_width <= 0 or embeds[1] != fp.embed_width or not 0 < embeds[0] <= n:
+            raise BadHeader(f"embeddings {embeds} do not fit {n} tokens of the fingerprint")
+        shapes.append((embeds, dtype_of(fp.embed_dtype)))
     layout = []
     for shape, kind in shapes:
         count = 1

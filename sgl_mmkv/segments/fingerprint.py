@@ -99,3 +99,18 @@ def _windows(path: Path, digest) -> None:
         for i in range(WINDOWS):
             f.seek(max(0, size - WINDOW_BYTES) * i // (WINDOWS - 1))
             digest.update(f.read(WINDOW_BYTES))
+
+
+def embedding_layout(model_config) -> tuple[int, str]:
+    """``(width, dtype)`` of the vision encoder's output per image token, as a segment
+    stores it (:class:`~sgl_mmkv.segments.entry_format.KVFingerprint`): the language
+    model's hidden size, times 1 + the DeepStack layers (Qwen3-VL's encoder returns
+    their features side by side), in the model dtype; ``(0, "")`` when the config does
+    not say (entries then carry no embeddings)."""
+    hidden = getattr(getattr(model_config, "hf_text_config", None), "hidden_size", None)
+    dtype = getattr(model_config, "dtype", None)
+    if not isinstance(hidden, int) or hidden <= 0 or dtype is None:
+        return 0, ""
+    vision = getattr(getattr(model_config, "hf_config", None), "vision_config", None)
+    deepstack = getattr(vision, "deepstack_visual_indexes", None) or ()
+    return hidden * (1 + len(deepstack)), str(dtype)

@@ -10,9 +10,9 @@ one storage reuse each other's images. An entry is two backend objects:
   JSON length, then the JSON (format version, the full segment key, the KV
   fingerprint, tensor shapes and dtype, payload size and payload sha256);
 - ``<name>_p<sha256[:16]>``: the payload: positions, kept indices, ranking, then
-  every layer's K and V of the kept tokens, as raw bytes, named by its checksum (so
-  two instances writing one image at once never pair a header with the other's
-  payload).
+  every layer's K and V of the kept tokens, then (optional) the image's vision
+  encoder output, as raw bytes, named by its checksum (so two instances writing one
+  image at once never pair a header with the other's payload).
 
 ``<name>`` is ``sgl_mmkv_<namespace tag>_<sha256 of (format version, namespaced
 content key, fingerprint)>``, so salts, extra keys, adapters, models, dtypes, fill
@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -381,9 +381,10 @@ class SegmentStorage:
             offset += size
         if offset != len(payload):
             raise _Corrupt("payload longer than its shapes")
+        embeddings = tensors.pop() if fields["embeds"] is not None else None
         kept = tensors[1] if fields["kept"] is not None else None
         ranking = tensors[-3] if fields["ranking"] else None
-        return StoredSegment(tensors[0], kept, ranking, tensors[-2], tensors[-1])
+        return StoredSegment(tensors[0], kept, ranking, tensors[-2], tensors[-1], embeddings)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -413,6 +414,9 @@ class SegmentStorage:
 
     def _save(self, key: SegmentKey, stored: StoredSegment) -> bool:
         name = self.entry_name(key)
+        embeddings = stored.embeddings
+        if embeddings is not None and not self.fingerprint.fits_embeddings(embeddings, key):
+            stored = replace(stored, embeddings=None)  # another layout: the KV alone
         try:
             if self._intact(name, key):
                 self.count({"write_skipped": 1})
@@ -526,6 +530,7 @@ class SegmentStorage:
             "ranking": stored.ranking is not None,
             "k_shape": list(stored.keys.shape),
             "v_shape": list(stored.values.shape),
+            "embeds": None if stored.embeddings is None else list(stored.embeddings.shape),
             "payload_bytes": int(payload.numel()),
             "sha256": digest,
             "payload": payload_name(self.entry_name(key), digest),

@@ -17,6 +17,11 @@ With an L3 tier (:mod:`sgl_mmkv.segments.storage`, ``--mm-segment-storage``) eve
 new segment is queued to be written through to SGLang's storage backend (the
 forward never waits for a write), and a lookup that misses in memory loads the
 segment from there into fresh store slots, waiting at most the storage deadline.
+
+A segment may also hold its image's vision-encoder output (host memory, at most
+``embeddings_max_bytes`` over the store, least recently used dropped first), written
+through and loaded with its KV: a request that reuses it builds its input embeddings
+without the vision tower (``refresh/segment_embeddings.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from sgl_mmkv.segments.storage import SegmentStorage, StoredSegment
 
 logger = logging.getLogger(__name__)
 
+EMBEDDINGS_MAX_BYTES = 2**30
+
 
 @dataclass(slots=True)
 class Segment:
@@ -52,6 +59,8 @@ class Segment:
         pinned: True while its KV is still being written (canonical fill): never
             evicted or compressed then.
         persisted: True once its KV is queued for the L3 storage, or loaded from it.
+        embeddings: ``(n_e, W)`` the vision encoder's output for the image, on the CPU
+            (the rows of its placeholder tokens; DeepStack features included), or None.
     """
 
     key: SegmentKey
@@ -62,6 +71,7 @@ class Segment:
     kept: torch.Tensor | None = None
     pinned: bool = False
     persisted: bool = False
+    embeddings: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +110,12 @@ class StoreCounters(Counters):
     # canonical fill: images that could not be computed alone in their extend (the
     # token before them, or part of them, in the prefix or an earlier chunk): not stored
     canonical_skipped: int = 0
+    embeddings_loaded: int = 0  # segments loaded from L3 with their image embeddings
+    embeddings_dropped: int = 0  # embeddings let go to keep embeddings_max_bytes
+    # images of extend forwards whose embeddings came from a segment (vision tower
+    # skipped), and images the vision tower encoded (refresh/segment_embeddings.py)
+    vision_skipped: int = 0
+    vision_encoded: int = 0
 
 
 class SegmentStore:
@@ -113,6 +129,7 @@ class SegmentStore:
         compress_budget: ``--mm-kv-budget`` when segments are ranked for scored
             eviction; None for whole-segment LRU.
         storage: the L3 tier below the store, or None (``--mm-segment-storage none``).
+        embeddings_max_bytes: host bytes of image embeddings the segments hold at most.
     """
 
     def __init__(
@@ -121,14 +138,18 @@ class SegmentStore:
         kv_pool,
         compress_budget: float | None = None,
         storage: SegmentStorage | None = None,
+        embeddings_max_bytes: int = EMBEDDINGS_MAX_BYTES,
     ) -> None:
         self.allocator = allocator
         self.kv_pool = kv_pool
         self.compress_budget = compress_budget
         self.storage = storage
+        self.embeddings_max_bytes = embeddings_max_bytes
         self.counters = StoreCounters()
         self._segments: OrderedDict[SegmentKey, Segment] = OrderedDict()
         self._num_tokens = 0
+        self._embedded: OrderedDict[SegmentKey, int] = OrderedDict()  # key -> bytes, LRU
+        self._embedding_bytes = 0
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +170,7 @@ class SegmentStore:
         if segment is None:
             self.counters.misses += 1
             return self._load(key) if self.storage is not None else None
-        self._segments.move_to_end(key)
+        self._touch(key)
         self.counters.hits += 1
         return segment
 
@@ -173,10 +194,15 @@ class SegmentStore:
             if segment is None:
                 self.counters.misses += 1
             else:
-                self._segments.move_to_end(key)
+                self._touch(key)
                 self.counters.hits += 1
             out.append(segment)
         return out
+
+    def _touch(self, key: SegmentKey) -> None:
+        self._segments.move_to_end(key)
+        if key in self._embedded:
+            self._embedded.move_to_end(key)
 
     def peek(self, key: SegmentKey) -> Segment | None:
         """The segment for ``key`` without counting a lookup or touching the LRU order."""
@@ -188,6 +214,7 @@ class SegmentStore:
         src_slots: torch.Tensor,
         positions: torch.Tensor,
         ranking: torch.Tensor | None = None,
+        embeddings: torch.Tensor | None = None,
     ) -> Segment | None:
         """Copy every layer's KV at ``src_slots`` into fresh store slots.
 
@@ -195,6 +222,7 @@ class SegmentStore:
             src_slots: ``(n,)`` int64 slots of a request row holding the image's KV.
             positions: ``(P, n)`` positions that KV was computed at.
             ranking: optional ``(n,)`` eviction ranking of the tokens.
+            embeddings: optional ``(n_e, W)`` vision-encoder output of the image.
         Returns:
             The new segment; None if already present or the pool had no free slots
             (filling never evicts: it runs inside a forward).
@@ -202,6 +230,8 @@ class SegmentStore:
         segment = self.reserve(key, int(src_slots.numel()), positions, ranking)
         if segment is None:
             return None
+        if embeddings is not None:
+            self.attach_embeddings(segment, embeddings)
         slots = segment.slots
         src = src_slots.to(slots.device)
         for layer in range(self.kv_pool.layer_num):
@@ -229,6 +259,7 @@ class SegmentStore:
                 None if segment.ranking is None else segment.ranking.clone(),
                 keys.to("cpu"),
                 values.to("cpu"),
+                segment.embeddings,  # immutable once attached: shared, not copied
             )
         except Exception as error:  # never fail the forward over the L3 copy
             logger.warning("sgl_mmkv: reading a segment for L3 failed (%r)", error)
@@ -276,7 +307,36 @@ class SegmentStore:
             self.kv_pool.get_value_buffer(layer)[slots] = stored.values[layer].to(v0.device)
         segment.kept = None if stored.kept is None else stored.kept.clone()
         segment.persisted = True
+        if stored.embeddings is not None and self.attach_embeddings(segment, stored.embeddings):
+            self.counters.embeddings_loaded += 1
         return segment
+
+    def attach_embeddings(self, segment: Segment, embeddings: torch.Tensor) -> bool:
+        """Keep ``embeddings`` ``(n_e, W)`` (a copy on the CPU) with ``segment``, unless it
+        has some or they alone exceed ``embeddings_max_bytes``; the least recently used
+        segments' embeddings are let go to stay under it. True if attached."""
+        size = int(embeddings.numel() * embeddings.element_size())
+        if segment.embeddings is not None or not segment.alive or embeddings.dim() != 2:
+            return False
+        if size > self.embeddings_max_bytes:
+            return False
+        while self._embedded and self._embedding_bytes + size > self.embeddings_max_bytes:
+            oldest = next(iter(self._embedded))
+            self._drop_embeddings(self._segments[oldest])
+            self.counters.embeddings_dropped += 1
+        segment.embeddings = embeddings.detach().to("cpu", copy=True).contiguous()
+        self._embedded[segment.key] = size
+        self._embedding_bytes += size
+        return True
+
+    def _drop_embeddings(self, segment: Segment) -> None:
+        self._embedding_bytes -= self._embedded.pop(segment.key, 0)
+        segment.embeddings = None
+
+    @property
+    def embedding_bytes(self) -> int:
+        """Host bytes of the embeddings the segments hold."""
+        return self._embedding_bytes
 
     def reserve(
         self,
@@ -393,6 +453,8 @@ class SegmentStore:
 
     def _release(self, segment: Segment, free_slots: bool) -> int:
         segment.alive = False
+        if segment.embeddings is not None:
+            self._drop_embeddings(segment)
         if free_slots:
             poison_slots(self.kv_pool, segment.slots)
             self.allocator.free(segment.slots)
@@ -400,4 +462,9 @@ class SegmentStore:
         return segment.num_tokens
 
     def stats(self) -> dict:
-        return {"segments": len(self), "tokens": self.num_tokens, **self.counters.as_dict()}
+        return {
+            "segments": len(self),
+            "tokens": self.num_tokens,
+            "embedding_bytes": self.embedding_bytes,
+            **self.counters.as_dict(),
+        }
