@@ -7,6 +7,11 @@ that excludes 1 is a difference outside the noise of these prompts.
 
     python benchmarks/compare_methods.py benchmarks/results/fidelity-next/fidelity.json \
         --method conduit --budgets 0.05,0.1
+
+``--gap-ceiling oracle`` also writes, for every method at each budget, the share of
+the gap between plain reuse and the ceiling method at that budget that it closes
+(``gap_oracle.md``). ``--with`` adds the records of other runs over the same test
+prompts (a method measured later), paired by prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
 
-from harness.bootstrap import paired_intervals
+from harness.bootstrap import gap_share, paired_intervals
+
+FLOOR = "reuse@0.0"
 
 
 def outcomes(records: list[dict], scenario: str) -> dict[str, float]:
@@ -53,14 +60,81 @@ def compare(records: dict[str, list[dict]], method: str, budget: float) -> list[
     return rows
 
 
+def gap_rows(records: dict[str, list[dict]], ceiling: str, budget: float) -> list[dict]:
+    """Every method at ``budget``: the share of the gap from plain reuse to
+    ``ceiling@budget`` it closes, with its paired 95 % interval."""
+    top = records[f"{ceiling}@{budget}"]
+    methods = [k for k in records if k.endswith(f"@{budget}") and k != f"{ceiling}@{budget}"]
+    rows = []
+    for scenario in sorted({r["scenario"] for r in top}):
+        high, low = outcomes(top, scenario), outcomes(records[FLOOR], scenario)
+        for method in methods:
+            mid = outcomes(records[method], scenario)
+            uids = sorted(high.keys() & low.keys() & mid.keys())
+            share, ci = gap_share(
+                [low[u] for u in uids], [mid[u] for u in uids], [high[u] for u in uids]
+            )
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "method": method,
+                    "ceiling": f"{ceiling}@{budget}",
+                    "n": len(uids),
+                    "floor_accuracy": round(sum(low[u] for u in uids) / len(uids), 4),
+                    "accuracy": round(sum(mid[u] for u in uids) / len(uids), 4),
+                    "ceiling_accuracy": round(sum(high[u] for u in uids) / len(uids), 4),
+                    "gap_share": round(share, 4),
+                    "gap_share_95ci": ci,
+                }
+            )
+    return rows
+
+
+def gap_table(rows: list[dict]) -> str:
+    lines = [
+        "| scenario | method | n | reuse | accuracy | ceiling | gap closed (95 % CI) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["gap_share_95ci"]
+        lines.append(
+            f"| {r['scenario']} | {r['method']} | {r['n']} | {r['floor_accuracy']:.3f} | "
+            f"{r['accuracy']:.3f} | {r['ceiling_accuracy']:.3f} ({r['ceiling']}) | "
+            f"{r['gap_share']:.2f} [{lo:.2f}, {hi:.2f}] |"
+        )
+    return "\n".join(lines)
+
+
+def load_records(paths: list[Path]) -> dict[str, list[dict]]:
+    """The records of every run, method by method; a method measured in two runs
+    is refused (which one would count?)."""
+    records: dict[str, list[dict]] = {}
+    for path in paths:
+        for label, rs in json.loads(path.read_text())["records"].items():
+            if label in records and label != FLOOR:
+                raise SystemExit(f"{label} is in more than one of {', '.join(map(str, paths))}")
+            records.setdefault(label, rs)
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fidelity_json", type=Path)
     parser.add_argument("--method", default="conduit")
     parser.add_argument("--budgets", default="0.05,0.1")
+    parser.add_argument("--gap-ceiling", default="", help="e.g. oracle: the gap-share table")
+    parser.add_argument(
+        "--with",
+        dest="others",
+        type=Path,
+        action="append",
+        default=[],
+        help="another fidelity.json over the same prompts (its plain reuse is not used)",
+    )
     args = parser.parse_args(argv)
-    records = json.loads(args.fidelity_json.read_text())["records"]
-    rows = [r for b in args.budgets.split(",") for r in compare(records, args.method, float(b))]
+    records = load_records([args.fidelity_json, *args.others])
+    budgets = [float(b) for b in args.budgets.split(",")]
+    rows = [r for b in budgets for r in compare(records, args.method, b)]
     lines = [
         "| scenario | method | against | n | accuracy | against | ratio 95 % CI | outside |",
         "|---|---|---|---|---|---|---|---|",
@@ -78,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.fidelity_json.parent
     (out / f"compare_{args.method}.md").write_text(table + "\n")
     (out / f"compare_{args.method}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.gap_ceiling:
+        gaps = [r for b in budgets for r in gap_rows(records, args.gap_ceiling, b)]
+        table = gap_table(gaps)
+        print(table)
+        (out / f"gap_{args.gap_ceiling}.md").write_text(table + "\n")
+        (out / f"gap_{args.gap_ceiling}.json").write_text(json.dumps(gaps, indent=2) + "\n")
     return 0
 
 

@@ -41,13 +41,15 @@ from harness.fidelity_summary import ScenarioSummary, format_table, summarise, t
 from harness.fidelity_task import model_split
 from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.scoring import REFRESH_SCORERS
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
-# Scorer modes run at every --budgets value; `reuse` (budget 0) and `full` (every
-# token refreshed) are each one configuration, drawn as the ends of every line.
-BUDGETED_MODES: tuple[str, ...] = ("conduit", "prophetkv", "first", "cacheblend", "random")
+# Scorer modes run at every --budgets value (every registered refresh scorer, the
+# `oracle` yardstick included); `reuse` (budget 0) and `full` (every token
+# refreshed) are each one configuration, drawn as the ends of every line.
 UNBUDGETED_REFRESH: dict[str, float] = {"reuse": 0.0, "full": 1.0}
+BUDGETED_MODES: tuple[str, ...] = tuple(m for m in REFRESH_SCORERS if m not in UNBUDGETED_REFRESH)
 # A method is measured on every probe, also where the server's default cost gate
 # would serve the probe as stock does (a short probe reusing one small image).
 MEASURE_EVERY_MATCH: tuple[str, ...] = ("--mm-reuse-gate", "always")

@@ -49,3 +49,38 @@ def paired_intervals(
         return (round(lo, 4), round(hi, 4))
 
     return {"accuracy": interval(acc), "relative_accuracy": interval(ratio)}
+
+
+def gap_share(
+    floor: list[float],
+    method: list[float],
+    ceiling: list[float],
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> tuple[float, tuple[float, float]]:
+    """The share of the gap between a floor and a ceiling that a method closes,
+    ``(mean(method) - mean(floor)) / (mean(ceiling) - mean(floor))``, and its
+    ``level`` percentile interval, the three outcomes resampled together per example.
+
+    ``floor``, ``method``, ``ceiling``: one outcome per example (1.0 correct, 0.0
+    not), same order (e.g. plain reuse, a refresh method, the oracle). Resamples
+    whose gap is not positive are left out; the share is NaN when the gap of the
+    examples themselves is not."""
+    if not len(floor) == len(method) == len(ceiling):
+        raise ValueError(f"{len(floor)}, {len(method)} and {len(ceiling)} outcomes")
+    if not floor:
+        return float("nan"), (float("nan"), float("nan"))
+    values = torch.tensor([floor, method, ceiling], dtype=torch.float64)  # (3, n)
+    low, mid, high = values.mean(dim=1).tolist()
+    share = (mid - low) / (high - low) if high > low else float("nan")
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(len(floor), (resamples, len(floor)), generator=generator)
+    means = values[:, index].mean(dim=2)  # (3, B)
+    gap = means[2] - means[0]
+    shares = (means[1] - means[0])[gap > 0] / gap[gap > 0]
+    if shares.numel() == 0:
+        return share, (float("nan"), float("nan"))
+    tail = (1 - level) / 2
+    lo, hi = torch.quantile(shares, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return share, (round(lo, 4), round(hi, 4))

@@ -358,6 +358,28 @@ def test_a_scorer_syncs_with_the_host_no_more_often_with_more_layers(registry, n
         assert syncs == []
 
 
+def test_staleprobe_ranks_its_probes_on_the_device_without_a_sync():
+    """The probe inputs (positions and per-layer deviations) stay on the device: the
+    same selection and ranking as on the host, and no host sync."""
+    scorer = REFRESH_SCORERS["staleprobe"]()
+    probed = replace(
+        scoring_inputs(),
+        probe_positions=torch.tensor([8, 17]),
+        probe_deviation=torch.tensor([[0.2, 1.0], [0.3, 2.0]]),
+    )
+    expected_selection = scorer.select(probed, BUDGET)
+    expected_ranking = scorer.ranking(probed, BUDGET)
+    assert 17 in expected_selection.tolist() and 8 not in expected_selection.tolist()
+    with DeviceAudit() as audit:
+        device_inputs = inputs_on_device(probed)
+        selection = scorer.select(device_inputs, BUDGET)
+        ranking = scorer.ranking(device_inputs, BUDGET)
+    assert_on_device(selection, ranking)
+    assert audit.syncs == []
+    assert torch.equal(host(selection), expected_selection)
+    torch.testing.assert_close(host(ranking), expected_ranking, rtol=0, atol=0)
+
+
 def test_per_layer_sync_exceptions_name_registered_scorers():
     assert set(PER_LAYER_SYNCS) <= set(REFRESH_SCORERS) | set(EVICTION_SCORERS)
 
@@ -752,6 +774,7 @@ def test_every_attention_scorer_reduces_layer_by_layer():
         "mmshiftkv",
         "prophetkv",
         "snapkv",
+        "staleprobe",
     ]
 
 

@@ -4,6 +4,7 @@ are in test_scorers.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -206,6 +207,94 @@ def test_cacheblend_needs_fresh_kv_and_ranks_by_deviation():
         fresh_values=inputs.values,
     )
     assert make_refresh_scorer("cacheblend").select(marked, 0.02).tolist() == [30]
+
+
+def test_oracle_sums_the_scale_free_deviation_of_every_layer():
+    """The oracle's formula by hand, token by token; a deviation at the last layer
+    alone is found; multiplying one layer's K/V by 1000 (stale and fresh alike)
+    changes no score: each layer weighs by its relative deviation, not its scale."""
+    inputs = make_inputs(seed=11, layers=4)
+    pos = inputs.visual_positions
+    want = torch.zeros(pos.numel())
+    for layer in range(4):
+        for stale, fresh in (
+            (inputs.keys[layer], inputs.fresh_keys[layer]),
+            (inputs.values[layer], inputs.fresh_values[layer]),
+        ):
+            scale = sum(fresh[p].flatten().norm() for p in pos.tolist()) / pos.numel()
+            for i, p in enumerate(pos.tolist()):
+                want[i] += (fresh[p] - stale[p]).flatten().norm() / scale
+    oracle = make_refresh_scorer("oracle")
+    torch.testing.assert_close(oracle.score(inputs), want, rtol=1e-5, atol=1e-6)
+    assert oracle.deviation_layers(4) == (0, 1, 2, 3) and oracle.needs_fresh_kv
+
+    def rebuilt(keys, values, fresh_keys, fresh_values):
+        return ScoringInputs(
+            inputs.queries,
+            keys,
+            values,
+            inputs.query_positions,
+            inputs.image_spans,
+            fresh_keys=fresh_keys,
+            fresh_values=fresh_values,
+        )
+
+    scaled = rebuilt(
+        (1000 * inputs.keys[0], *inputs.keys[1:]),
+        (1000 * inputs.values[0], *inputs.values[1:]),
+        (1000 * inputs.fresh_keys[0], *inputs.fresh_keys[1:]),
+        (1000 * inputs.fresh_values[0], *inputs.fresh_values[1:]),
+    )
+    torch.testing.assert_close(oracle.score(scaled), want, rtol=1e-4, atol=1e-5)
+
+    exact = rebuilt(inputs.keys, inputs.values, inputs.keys, inputs.values)
+    assert oracle.score(exact).abs().max() == 0  # nothing stale: every score 0
+    deep = tuple(v.clone() for v in inputs.values)
+    deep[3][30] += 5.0  # token 30 is stale at the last layer alone
+    marked = rebuilt(inputs.keys, inputs.values, inputs.keys, deep)
+    assert oracle.select(marked, 0.02).tolist() == [30]
+    with pytest.raises(ValueError, match="fresh K/V"):
+        oracle.score(rebuilt(inputs.keys, inputs.values, None, None))
+    statistics = torch.rand(4, pos.numel())  # the selector's per-layer deviations
+    reduced = ScoringInputs(
+        (),
+        (),
+        (),
+        torch.empty(0, dtype=torch.long),
+        inputs.image_spans,
+        layer_ids=(0, 1, 2, 3),
+        layer_statistics=statistics,
+    )
+    torch.testing.assert_close(oracle.score(reduced), statistics.sum(0))
+
+
+def test_staleprobe_probes_moved_images_and_ranks_attention_by_staleness():
+    """Probes: the first span and each span shifted unlike its predecessor. Scores:
+    ProphetKV's mass times the probe's summed deviation of the token's image (0 for an
+    image without a probe); the ranking puts stale images' probes first and fresh
+    images' probes last; without probes it is ProphetKV."""
+    scorer = make_refresh_scorer("staleprobe")
+    assert scorer.probe_spans((4, 4, 9, 9, 4)) == (0, 2, 4)
+    assert scorer.probe_spans(()) == ()
+    inputs = make_inputs(seed=12)  # images (5, 21), (24, 40), (43, 59)
+    alpha = make_refresh_scorer("prophetkv").score(inputs)
+    assert torch.equal(scorer.score(inputs), alpha)
+    assert torch.equal(
+        scorer.select(inputs, 0.1), make_refresh_scorer("prophetkv").select(inputs, 0.1)
+    )
+    deviation = torch.tensor([[0.1, 2.0], [0.2, 1.0]])  # (L, m): image 0 sums 0.3, image 1 3.0
+    probed = replace(inputs, probe_positions=torch.tensor([13, 32]), probe_deviation=deviation)
+    z = torch.tensor([0.3, 3.0, 0.0])[inputs.image_ids()]
+    torch.testing.assert_close(scorer.score(probed), alpha * z)
+    ranking = scorer.ranking(probed, 0.1)
+    assert ranking[32 - 24 + 16] == float("inf") and ranking[13 - 5] == float("-inf")
+    chosen = scorer.select(probed, 0.1)  # 5 tokens: the stale probe and 4 of image 1
+    assert chosen.numel() == 5 and 32 in chosen.tolist() and 13 not in chosen.tolist()
+    assert ((chosen >= 24) & (chosen < 40)).all()
+    lenient = make_refresh_scorer("staleprobe", stale_fraction=0.05)
+    assert 13 in lenient.select(probed, 0.1).tolist()  # 0.3 >= 0.05 * 3.0: stale too
+    with pytest.raises(ValueError, match="stale_fraction"):
+        make_refresh_scorer("staleprobe", stale_fraction=1.5)
 
 
 def test_random_depends_on_its_seed_only():

@@ -26,6 +26,7 @@ from sglang.srt.model_executor.forward_context import get_forward_context  # noq
 
 from sgl_mmkv.refresh.attention_backend import RefreshAttentionBackend  # noqa: E402
 from sgl_mmkv.refresh.context import ExtendContext  # noqa: E402
+from sgl_mmkv.refresh.cost import scoring_rows  # noqa: E402
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot  # noqa: E402
 from sgl_mmkv.refresh.flops import DecoderShape  # noqa: E402
 from sgl_mmkv.refresh.observer import ObservingBackend, PrefillObserver  # noqa: E402
@@ -270,9 +271,13 @@ def test_last_text_reduces_the_last_query_alone():
         assert inputs.query_positions.tolist() == [expected]
 
 
-def test_cacheblend_copies_one_layer_of_the_reused_tokens_and_equals_whole_rows():
-    """The stale and fresh K/V of layer 1 at the reused tokens, against the whole
-    rows of every layer before and after the recompute."""
+@pytest.mark.parametrize(("name", "layers"), [("cacheblend", (1,)), ("oracle", (0, 1, 2))])
+def test_deviation_scorers_copy_their_layers_of_the_reused_tokens_and_equal_whole_rows(
+    name, layers
+):
+    """The stale and fresh K/V of the scorer's layers (CacheBlend: layer 1; the
+    oracle: every layer) at the reused tokens, against the whole rows of every layer
+    before and after the recompute."""
     ctx, _ = _setup(seed=3)
     runner, batch = ctx.model_runner, ctx.forward_batch
 
@@ -295,10 +300,10 @@ def test_cacheblend_copies_one_layer_of_the_reused_tokens_and_equals_whole_rows(
             fresh.extend(rows())
             pool.k, pool.v = saved
 
-    scorer, seen = _recording(make_refresh_scorer("cacheblend"))
+    scorer, seen = _recording(make_refresh_scorer(name))
     counters = SimpleNamespace(executed_flops=0)
     chosen = TokenSelector(scorer, BUDGET, Restore(), counters).select(ctx)
-    reference = make_refresh_scorer("cacheblend")
+    reference = make_refresh_scorer(name)
     for i, inputs in enumerate(seen):
         whole = ScoringInputs(
             (),
@@ -309,13 +314,67 @@ def test_cacheblend_copies_one_layer_of_the_reused_tokens_and_equals_whole_rows(
             fresh_keys=fresh[i][0],
             fresh_values=fresh[i][1],
         )
-        assert inputs.layer_ids == (1,) and inputs.keys == ()
-        assert inputs.layer_statistics.shape == (1, whole.num_visual)
+        assert inputs.layer_ids == layers and inputs.keys == ()
+        assert inputs.layer_statistics.shape == (len(layers), whole.num_visual)
         torch.testing.assert_close(reference.score(inputs), reference.score(whole))
         assert bool((reference.score(whole) > 0).all())  # the recompute changed every token
         view = ctx.views[i]
         want = reference.select(whole, BUDGET)
         assert torch.equal(chosen[i], want if view is None else view.expand(want))
+
+
+PROBES = ([12, 23], [10, 22])  # the middle reused token of each span (request 1: holes)
+
+
+@pytest.mark.parametrize("same_shift", [False, True])
+def test_staleprobe_probes_in_the_scoring_pass_and_keeps_the_probes(same_shift):
+    """The probes (the middle reused token of each span shifted unlike its predecessor)
+    run in the scoring pass: their stale K/V of every layer is compared with what the
+    pass wrote (the oracle's deviation, by hand here), they keep the new K/V, the FLOPs
+    count them, and the refresh selection holds the probes of stale images (counted in
+    the budget; they run again over the refreshed row) and none of fresh ones."""
+    ctx, model = _setup(seed=4)
+    probes = PROBES
+    if same_shift:  # request 0's second image moved with its first: one probe there
+        plan0 = ctx.plans[0]
+        spans = (plan0.spans[0], dataclasses.replace(plan0.spans[1], delta=plan0.spans[0].delta))
+        ctx = dataclasses.replace(
+            ctx, plans=(dataclasses.replace(plan0, spans=spans), ctx.plans[1])
+        )
+        probes = ([12], PROBES[1])
+    pool = ctx.model_runner.token_to_kv_pool
+    req_to_token = ctx.model_runner.req_to_token_pool.req_to_token
+    stale_k, stale_v = [k.clone() for k in pool.k], [v.clone() for v in pool.v]
+    scorer, seen = _recording(make_refresh_scorer("staleprobe"))
+    counters = SimpleNamespace(executed_flops=0)
+    chosen = TokenSelector(scorer, BUDGET, None, counters).select(ctx)
+    active = []
+    for plan, inputs, picked, rows in zip(ctx.plans, seen, chosen, probes, strict=True):
+        rows_t = torch.tensor(rows)
+        slots = req_to_token[POOL_ROWS[plan.index], rows_t].long()
+        want = []
+        for layer in range(LAYERS):
+            new_k = model.k[layer][slots].view(-1, H_KV, D)
+            new_v = model.v[layer][slots].view(-1, H_KV, D)
+            assert torch.equal(pool.k[layer][slots], new_k)  # kept, not restored
+            assert torch.equal(pool.v[layer][slots], new_v)
+            scale_k = new_k.flatten(1).norm(dim=-1).mean()
+            scale_v = new_v.flatten(1).norm(dim=-1).mean()
+            dk = (new_k - stale_k[layer][slots]).flatten(1).norm(dim=-1) / scale_k
+            dv = (new_v - stale_v[layer][slots]).flatten(1).norm(dim=-1) / scale_v
+            want.append(dk + dv)
+        torch.testing.assert_close(inputs.probe_deviation, torch.stack(want))
+        view = ctx.views[plan.index]
+        compact = rows_t if view is None else view.compact(rows_t)
+        assert torch.equal(inputs.probe_positions, compact)
+        z = inputs.probe_deviation.sum(0)
+        stale = z >= 0.5 * z.max()
+        assert torch.isin(rows_t, picked).tolist() == stale.tolist()
+        assert picked.numel() == budget_count(BUDGET, inputs.num_visual)
+        mask = scoring_rows(plan.fresh_mask())
+        mask[rows_t - plan.prefix_len] = True
+        active.append(mask)
+    assert counters.executed_flops == ctx.pass_flops(active)
 
 
 def _observed_pass(observer: PrefillObserver, seed: int, active):
@@ -404,5 +463,5 @@ def test_layer_reductions_name_what_the_pass_reads():
     conduit = make_refresh_scorer("conduit", layers=[2, 0], query_span="last_text")
     assert dataclasses.astuple(conduit.layer_reduction()) == ((0, 2), True, True)
     assert not make_refresh_scorer("prophetkv").layer_reduction().needs_values
-    for name in ("first", "random", "full", "reuse", "cacheblend"):
+    for name in ("first", "random", "full", "reuse", "cacheblend", "oracle"):
         assert make_refresh_scorer(name).layer_reduction() is None

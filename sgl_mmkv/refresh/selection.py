@@ -6,14 +6,16 @@ of the query span (fresh tokens after the last reused image) are reduced layer b
 layer inside the pass to the scorer's per-layer statistic
 (:class:`~sgl_mmkv.refresh.layer_statistics.LayerStatistics`), so no layer's row
 or queries are kept; a scorer without a per-layer reduction gets the queries and
-a copy of the row instead. CacheBlend recomputes the whole extend once and
-compares the K/V of its one layer at the reused tokens, copied before and after,
-with the stale KV copied back. Position-only methods need no pass. Scorers see a
-row with holes through its :class:`RowView` (compacted positions); their picks
-are mapped back to row positions.
+a copy of the row instead. CacheBlend (one layer) and the oracle (every layer)
+recompute the whole extend once and compare the K/V of their layers at the reused
+tokens, copied before and after, with the stale KV copied back. Position-only
+methods need no pass. Scorers see a row with holes through its :class:`RowView`
+(compacted positions); their picks are mapped back to row positions.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -25,6 +27,7 @@ from sgl_mmkv.refresh.kv_copy import SegmentCopier
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.probes import ProbePass
 from sgl_mmkv.refresh.row_kv import row_kv, row_kv_at
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
 
@@ -48,21 +51,25 @@ class TokenSelector:
         the KV pool's device (empty for a request that reuses nothing)."""
         if self.scorer.needs_fresh_kv:
             return self._select_by_deviation(ctx)
-        capture = None
+        capture, probes, active = None, None, None
         if self.scorer.needs_attention:
-            capture = self._capture(ctx)
-            active = [scoring_rows(p.fresh_mask()) for p in ctx.plans]
+            probes = ProbePass(ctx, self.scorer)
+            active = [scoring_rows(p.fresh_mask()) | probes.mask(p) for p in ctx.plans]
+            capture = self._capture(ctx, active)
+            probes.keep_stale(ctx)
             self.counters.executed_flops += ctx.pass_flops(active)
             run_pass(ctx, active, capture=capture)
             fault_point("scoring")
         selected = [
-            self._pick(ctx, plan, self._inputs(ctx, plan, capture)) if plan.spans else None
+            self._pick(ctx, plan, self._inputs(ctx, plan, capture, probes, active))
+            if plan.spans
+            else None
             for plan in ctx.plans
         ]
         fault_point("selection")
         return self._filled(ctx, selected)
 
-    def _capture(self, ctx: ExtendContext) -> QueryCapture:
+    def _capture(self, ctx: ExtendContext, active: list[torch.Tensor]) -> QueryCapture:
         """What the scoring pass keeps: per layer statistics when the scorer has a
         reduction (its query span narrowed to the last query if it reads that alone),
         else every layer's queries."""
@@ -71,7 +78,7 @@ class TokenSelector:
         for plan in ctx.plans:
             if not plan.spans:
                 continue
-            query_rows, positions = _query_rows(ctx, plan)
+            query_rows, positions = _query_rows(ctx, plan, active[plan.index])
             if reduction is not None and reduction.last_query_only:
                 last = positions.argmax(dim=0, keepdim=True)
                 query_rows, positions = query_rows[last], positions[last]
@@ -82,13 +89,16 @@ class TokenSelector:
         return QueryCapture(rows, statistics=LayerStatistics(self.scorer, reduced))
 
     def _select_by_deviation(self, ctx: ExtendContext) -> list[torch.Tensor]:
-        """CacheBlend's signal: the whole extend recomputed once (as costly as a full
-        prefill; the paper's layer-by-layer shrinking is not done), the K/V of its
-        one layer at the reused tokens compared with the stale ones (copied before,
-        ``(N_v, H_kv, d)`` each), then the stale KV restored for the refresh pass."""
+        """CacheBlend's signal (and the oracle's): the whole extend recomputed once (as
+        costly as a full prefill; the paper's layer-by-layer shrinking is not done),
+        the K/V of the scorer's layers at the reused tokens compared with the stale
+        ones (copied before, ``(N_v, H_kv, d)`` per layer), then the stale KV restored
+        for the refresh pass."""
         pool = ctx.model_runner.token_to_kv_pool
-        layer = self.scorer.deviation_layer(pool.layer_num)
-        stale = {p.index: _visual_kv(ctx, p, layer) for p in ctx.plans if p.spans}
+        layers = self.scorer.deviation_layers(pool.layer_num)
+        stale = {
+            p.index: [_visual_kv(ctx, p, layer) for layer in layers] for p in ctx.plans if p.spans
+        }
         whole = [~p.hole_mask() for p in ctx.plans]
         self.counters.executed_flops += ctx.pass_flops(whole)
         run_pass(ctx, whole)
@@ -97,15 +107,20 @@ class TokenSelector:
             if not plan.spans:
                 selected.append(None)
                 continue
-            deviation = self.scorer.deviation(*stale[plan.index], *_visual_kv(ctx, plan, layer))
+            deviation = torch.stack(
+                [
+                    self.scorer.deviation(*kv, *_visual_kv(ctx, plan, layer))
+                    for layer, kv in zip(layers, stale[plan.index], strict=True)
+                ]
+            )
             inputs = ScoringInputs(
                 queries=(),
                 keys=(),
                 values=(),
                 query_positions=torch.empty(0, dtype=torch.long),
                 image_spans=_spans(ctx, plan),
-                layer_ids=(layer,),
-                layer_statistics=deviation[None],
+                layer_ids=layers,
+                layer_statistics=deviation,
                 device=ctx.device,
             )
             selected.append(self._pick(ctx, plan, inputs))
@@ -113,25 +128,38 @@ class TokenSelector:
         return self._filled(ctx, selected)
 
     def _pick(self, ctx: ExtendContext, plan: RequestPlan, inputs: ScoringInputs) -> torch.Tensor:
-        """Row positions of the scorer's top-k (indices of the compacted row if holes)."""
+        """Row positions of the scorer's top-k (indices of the compacted row if holes).
+        Probes it picks run again in the refresh pass, over the refreshed row (the
+        scoring pass computed them over the stale one); the others keep the K/V of
+        the scoring pass."""
         chosen = self.scorer.select(inputs, self.budget)
         view = ctx.views[plan.index]
         return chosen if view is None else view.expand(chosen)
 
-    def _inputs(self, ctx: ExtendContext, plan: RequestPlan, capture) -> ScoringInputs:
+    def _inputs(
+        self, ctx: ExtendContext, plan: RequestPlan, capture, probes=None, active=None
+    ) -> ScoringInputs:
         """What the scorer sees of ``plan``'s row: without its holes, if it has some."""
         spans = _spans(ctx, plan)
         if capture is None:  # position-only methods
             empty = torch.empty(0, dtype=torch.long)
             return ScoringInputs((), (), (), empty, spans, device=ctx.device)
         if capture.statistics is not None:
-            return capture.statistics.inputs(plan.index, ctx.device)
-        keys, values = _row_kv(ctx, plan)
-        per_layer = capture.queries[plan.index]
-        _, query_positions = _query_rows(ctx, plan)
-        layers = tuple(sorted(per_layer))
-        queries = tuple(per_layer[layer] for layer in layers)
-        return ScoringInputs(queries, keys, values, query_positions, spans, layer_ids=layers)
+            inputs = capture.statistics.inputs(plan.index, ctx.device)
+        else:
+            keys, values = _row_kv(ctx, plan)
+            per_layer = capture.queries[plan.index]
+            _, query_positions = _query_rows(ctx, plan, active[plan.index])
+            layers = tuple(sorted(per_layer))
+            queries = tuple(per_layer[layer] for layer in layers)
+            inputs = ScoringInputs(queries, keys, values, query_positions, spans, layer_ids=layers)
+        deviation = probes.deviation(ctx, plan)
+        if deviation is None:
+            return inputs
+        rows = probes.rows[plan.index]
+        view = ctx.views[plan.index]
+        positions = rows if view is None else view.compact(rows)
+        return replace(inputs, probe_positions=positions, probe_deviation=deviation)
 
     @staticmethod
     def _filled(ctx: ExtendContext, selected: list) -> list[torch.Tensor]:
@@ -139,11 +167,13 @@ class TokenSelector:
         return [empty if s is None else s for s in selected]
 
 
-def _query_rows(ctx: ExtendContext, plan: RequestPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query span: ``(m,)`` rows within the request's tokens of the scoring pass
-    (fresh tokens after the last reused image, else every fresh token), and their
-    ``(m,)`` positions in the row without its holes; host tensors."""
-    positions = plan.rows(scoring_rows(plan.fresh_mask()))
+def _query_rows(
+    ctx: ExtendContext, plan: RequestPlan, active: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query span: ``(m,)`` rows within the request's ``active`` tokens of the
+    scoring pass (those after the last reused image, else every active token), and
+    their ``(m,)`` positions in the row without its holes; host tensors."""
+    positions = plan.rows(active)
     last_image_end = max(s.end for s in plan.spans)
     tail = (positions >= last_image_end).nonzero().flatten()
     rows = tail if tail.numel() else torch.arange(positions.numel())

@@ -23,8 +23,10 @@ from sgl_mmkv.scoring.controls import (
     RandomScorer,
 )
 from sgl_mmkv.scoring.mmshiftkv import MMShiftKVScorer
+from sgl_mmkv.scoring.oracle import OracleScorer
 from sgl_mmkv.scoring.prophetkv import ProphetKVScorer
 from sgl_mmkv.scoring.snapkv import SnapKVScorer
+from sgl_mmkv.scoring.staleprobe import StaleProbeScorer
 
 REFRESH_SCORERS: dict[str, type[TokenScorer]] = {
     cls.name: cls
@@ -36,6 +38,8 @@ REFRESH_SCORERS: dict[str, type[TokenScorer]] = {
         CacheBlendScorer,
         ProphetKVScorer,
         RandomScorer,
+        OracleScorer,
+        StaleProbeScorer,
     )
 }
 EVICTION_SCORERS: dict[str, type[TokenScorer]] = {

@@ -42,7 +42,8 @@ class ScoringInputs:
         query_positions: ``(n_q,)`` row positions of the queries.
         image_spans: ``[(start, end), ...]`` row ranges of the reused images, in order.
         fresh_keys, fresh_values: optional, per scored layer ``(n, H_kv, d)``, the
-            row recomputed in full at that layer (CacheBlend's deviation signal).
+            row recomputed in full at that layer (the deviation signal of CacheBlend and
+            the oracle).
         hidden_stats: optional, per scored layer ``(mean, std, hidden_size)``: global
             scalar mean and std (floats or 0-dim tensors) of the attention input
             (after ``input_layernorm``) over the request's prompt tokens, and its width.
@@ -53,6 +54,11 @@ class ScoringInputs:
         layer_statistics: optional ``(L, ..., N_v)`` float32, the scorer's
             :meth:`TokenScorer.layer_statistic` of each layer of ``layer_ids``, reduced
             while the pass ran (then ``queries``, ``keys`` and ``values`` are empty).
+        probe_positions: optional ``(m,)`` int64 row positions of reused tokens the
+            scoring pass recomputed over the stale row and kept (a staleness probe,
+            :meth:`TokenScorer.probe_spans`), in row order.
+        probe_deviation: optional ``(L, m)`` float32, the scorer's ``deviation`` of
+            each probe's K/V after that pass from its stale K/V, per layer.
         device: where the scorer computes and returns its results; default the
             keys' device, else ``query_positions``'. Every tensor input is moved
             there once, here (a no-op for those already there).
@@ -69,6 +75,8 @@ class ScoringInputs:
     project_queries: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer_ids: tuple[int, ...] | None = None
     layer_statistics: torch.Tensor | None = None
+    probe_positions: torch.Tensor | None = None
+    probe_deviation: torch.Tensor | None = None
     device: torch.device | None = None
 
     def __post_init__(self) -> None:
@@ -82,8 +90,10 @@ class ScoringInputs:
             if tensors is not None:
                 object.__setattr__(self, name, tuple(t.to(device) for t in tensors))
         object.__setattr__(self, "query_positions", self.query_positions.to(device))
-        if self.layer_statistics is not None:
-            object.__setattr__(self, "layer_statistics", self.layer_statistics.to(device))
+        for name in ("layer_statistics", "probe_positions", "probe_deviation"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                object.__setattr__(self, name, tensor.to(device))
         if self.hidden_stats is not None:
             stats = tuple(
                 (_on(mean, device), _on(std, device), width)
@@ -209,9 +219,10 @@ class TokenScorer(ABC):
     summary: ClassVar[str] = ""  # what it ranks by, in a few words (CLI help)
     # What the executor must compute before ``select``: the scoring pass's queries
     # and the row's KV (``needs_attention``), or the row recomputed in full
-    # (``needs_fresh_kv``: such a scorer names the one layer it compares,
-    # ``deviation_layer(num_layers)``, and its ``deviation`` of the visual tokens' stale
-    # and fresh K/V there). Position-only methods need neither.
+    # (``needs_fresh_kv``: such a scorer names the layers it compares,
+    # ``deviation_layers(num_layers)``, and its ``deviation`` of the visual tokens'
+    # stale and fresh K/V at each; the per-layer results are its ``(L, N_v)``
+    # ``layer_statistics``). Position-only methods need neither.
     needs_attention: ClassVar[bool] = True
     needs_fresh_kv: ClassVar[bool] = False
 
@@ -223,6 +234,18 @@ class TokenScorer(ABC):
         """How a pass reduces each layer for this scorer, or None: ``score`` reads
         whole rows (position-only methods, CacheBlend)."""
         return None
+
+    def probe_spans(self, deltas: tuple[int, ...]) -> tuple[int, ...]:
+        """Indices of the reused spans (in row order, each shifted by ``deltas[i]``
+        since it was stored) whose middle reused token the scoring pass recomputes
+        and keeps, to be compared with its stale K/V (``probe_deviation``); none by
+        default."""
+        return ()
+
+    def deviation_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The model layers a ``needs_fresh_kv`` scorer compares, in a model of
+        ``num_layers`` layers."""
+        raise NotImplementedError(f"{self.name} compares no fresh K/V")
 
     def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
         """``(..., N_v)`` float32 statistic of one layer (same shape for every layer);

@@ -30,6 +30,10 @@ class CacheBlendScorer(TokenScorer):
         """The layer compared in a model of ``num_layers`` layers."""
         return min(self.layer, num_layers - 1)
 
+    def deviation_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The one layer compared: :meth:`deviation_layer`."""
+        return (self.deviation_layer(num_layers),)
+
     @staticmethod
     def deviation(
         keys: torch.Tensor,
