@@ -15,12 +15,29 @@ of the pool while ``select`` (or the bare pass) runs (CUDA: ``max_memory_allocat
 CPU: the torch profiler's allocation events), the size of one copy of the row, the
 wall time, and whether both scorings selected the same tokens. Prints a table,
 writes JSON.
+
+    python benchmarks/scoring_memory.py --sweep-tokens 256,1024,4096,16384 \\
+        --out benchmarks/results/reuse-memory/reuse_memory.json
+
+``--sweep-tokens``: the peak extra memory of one reusing request against the image
+tokens it reuses (two images sharing them), at ``--sweep-shape``, phase by phase as
+the executor runs them: the **copy** (gather-and-rotate of the reused spans into
+the request's own slots, every layer), the **scoring** pass with CONDUIT's
+selection (streamed), the **refresh** pass (the text and the selected tokens).
+The phases run one after another, so a request's extra peak is the largest of
+them; a line ``bytes per image token * N + constant`` is fitted above every point.
+The request's own KV slots are not extra (stock fills the same ones); the stand-in
+model's q / k / v stand for a layer's inputs, and a real model's MLP activations
+of the refresh pass are those of a prefill of its active tokens, fewer than stock's
+prefill of the same request computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,10 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 
 from sglang.srt.model_executor.forward_context import get_forward_context  # noqa: E402
 
+from sgl_mmkv.kernels.gather_rotate import rope_inv_freq  # noqa: E402
 from sgl_mmkv.refresh.context import ExtendContext  # noqa: E402
 from sgl_mmkv.refresh.cost import scoring_rows  # noqa: E402
 from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot  # noqa: E402
 from sgl_mmkv.refresh.flops import DecoderShape  # noqa: E402
+from sgl_mmkv.refresh.kv_copy import SegmentCopier  # noqa: E402
 from sgl_mmkv.refresh.passes import run_pass  # noqa: E402
 from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan  # noqa: E402
 from sgl_mmkv.refresh.row_view import RowView  # noqa: E402
@@ -240,6 +259,84 @@ def measure(shape: Shape, path: str, dtype: torch.dtype, device: str, budget: fl
     }
 
 
+PHASES = ("copy", "scoring", "refresh")
+
+
+def measure_request(shape: Shape, dtype: torch.dtype, device: str, budget: float) -> dict:
+    """Peak extra bytes of each phase of one reusing request (:data:`PHASES`)."""
+    pool = Pool(shape, dtype, device)
+    ctx = _context(shape, pool, dtype, device)
+    plan = ctx.plans[0]
+    copier = SegmentCopier()
+    copier._rates = rope_inv_freq(shape.head_dim, 1_000_000.0)  # no model to read them from
+    counters = SimpleNamespace(executed_flops=0)
+    selector = TokenSelector(make_refresh_scorer("conduit"), budget, copier, counters)
+    peak_of = _peak_cuda if device == "cuda" else _peak_cpu
+    peaks = {}
+    started = time.perf_counter()
+    _, peaks["copy"] = peak_of(lambda: copier.copy(ctx.model_runner, ctx.forward_batch, [plan]))
+    selected, peaks["scoring"] = peak_of(lambda: selector.select(ctx)[0])
+    active = plan.fresh_mask()
+    active[selected.cpu() - plan.prefix_len] = True
+    _, peaks["refresh"] = peak_of(lambda: run_pass(ctx, [active]) and None)
+    n_v = int(plan.visual.sum())
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * pool.k[0].element_size()
+    return {
+        "shape": shape.name,
+        "image_tokens": n_v,
+        "row": plan.seq_len,
+        "refreshed": int(selected.numel()),
+        **{f"{p}_mib": round(peaks[p] / MIB, 2) for p in PHASES},
+        "peak_extra_mib": round(max(peaks.values()) / MIB, 2),
+        "request_kv_mib": round(plan.seq_len * kv_per_token / MIB, 1),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def fit_bound(rows: list[dict]) -> dict:
+    """``peak <= bytes_per_token * N + constant`` over every row: the least-squares
+    slope, the constant raised until no point lies above the line."""
+    xs = [r["image_tokens"] for r in rows]
+    ys = [r["peak_extra_mib"] * MIB for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    constant = max(y - slope * x for x, y in zip(xs, ys, strict=True))
+    return {"bytes_per_image_token": round(slope), "constant_mib": round(constant / MIB, 2)}
+
+
+def sweep(args: argparse.Namespace, dtype: torch.dtype) -> int:
+    base = SHAPES[args.sweep_shape]
+    rows = []
+    for n in args.sweep_tokens:
+        shape = dataclasses.replace(base, row=n + 3 * base.text)
+        rows.append(measure_request(shape, dtype, args.device, args.budget))
+        print(rows[-1], flush=True)
+    bound = fit_bound(rows)
+    columns = ("image_tokens", "row", "refreshed", "copy_mib", "scoring_mib", "refresh_mib")
+    columns += ("peak_extra_mib", "request_kv_mib", "seconds")
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    line = (
+        f"peak extra <= {bound['bytes_per_image_token']} B per image token "
+        f"+ {bound['constant_mib']} MiB"
+    )
+    print("\n".join(table) + "\n" + line)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        machine = f"{args.device}, {args.dtype}, budget {args.budget}, {args.sweep_shape}"
+        result = {"machine": machine, "load_average": os.getloadavg(), "bound": bound}
+        args.out.write_text(json.dumps(result | {"rows": rows}, indent=2) + "\n")
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        text = f"{machine}; load average {load}\n\n" + "\n".join(table) + f"\n\n{line}\n"
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
@@ -247,8 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--budget", type=float, default=0.1)
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
+    parser.add_argument("--sweep-tokens", type=_ints, default=(), help="reused image tokens")
+    parser.add_argument("--sweep-shape", choices=sorted(SHAPES), default="qwen2-vl-7b-28-layers")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.sweep_tokens:
+        return sweep(args, dtype)
     rows = []
     for name in args.shapes:
         runs = [measure(SHAPES[name], path, dtype, args.device, args.budget) for path in PATHS]

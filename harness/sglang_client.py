@@ -31,6 +31,8 @@ class ClientRun:
     trace: Path | None = None  # an ``openai`` JSONL trace; None: random text
     text_input_len: int = 512
     text_output_len: int = 64
+    request_rate: float | None = None  # Poisson arrivals (req/s); None: closed loop
+    details: bool = False  # per-request TTFT, ITLs, lengths and errors in the record
 
     def dataset_args(self) -> list[str]:
         if self.trace is not None:
@@ -66,6 +68,8 @@ def client_command(base_url: str, model: Path, run: ClientRun, output_file: Path
         str(run.num_prompts),
         "--max-concurrency",
         str(run.concurrency),
+        *(["--request-rate", f"{run.request_rate:g}"] if run.request_rate else []),
+        *(["--output-details"] if run.details else []),
         "--warmup-requests",
         "0",
         "--seed",
@@ -93,6 +97,7 @@ def run_client(
         raise RuntimeError(f"{CLIENT_MODULE} exited {done.returncode} ({log}):\n{tail}")
     record = json.loads(output_file.read_text().strip().splitlines()[-1])
     record.pop("server_info", None)  # 40 kB per run; settings are compared from the servers
+    record.pop("generated_texts", None)
     if record.get("completed") != run.num_prompts:
         raise RuntimeError(
             f"{CLIENT_MODULE}: {record.get('completed')} of {run.num_prompts} requests completed"
