@@ -312,3 +312,26 @@ def test_scorer_knobs_reach_the_scheduler_and_select_within_the_budget(tiny_vlm,
         assert text and len(logprobs) == 5
         assert after["refresh"]["fallbacks"] == 0
         assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]
+
+
+def test_staleprobe_at_budget_one_reproduces_full_prefill(tiny_vlm, tmp_path_factory):
+    """staleprobe's probes (computed in the scoring pass over the stale row) are run
+    again in the refresh pass: at budget 1.0 a reordered request answers as a full
+    prefill, every reused token refreshed once, no fallback."""
+    log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_staleprobe.log"
+    args = _server_args("--mm-reuse", "staleprobe", "--mm-refresh-budget", "1.0")
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
+        images = [make_image(800 + i) for i in range(3)]
+        probe_messages = _conversation("Answer in one word.", images[::-1])
+        cold = _chat(client, probe_messages)
+        _flush(proc)
+        _chat(client, _conversation("You are a helpful assistant.", images))
+        before = _stats(proc)
+        probe = _chat(client, probe_messages)
+        after = _stats(proc)
+        _assert_same(probe, cold)
+        reused = after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"]
+        refreshed = after["refresh"]["refreshed_tokens"] - before["refresh"]["refreshed_tokens"]
+        assert reused == refreshed == 3 * TOKENS_PER_IMAGE
+        assert after["refresh"]["fallbacks"] == 0
