@@ -87,6 +87,7 @@ def mixed(tiny_vlm, tmp_path_factory) -> tuple[dict, str]:
     return _bench(tiny_vlm, out, [*MIXED, *cells, "--rounds", "1"])
 
 
+@pytest.mark.slow  # two servers and the benchmark end to end
 def test_both_sides_ran_the_same_mixed_trace_one_server_at_a_time(mixed):
     run, stdout = mixed
     assert run["failed"] == [] and run["rows"] == []
@@ -118,6 +119,7 @@ def test_both_sides_ran_the_same_mixed_trace_one_server_at_a_time(mixed):
     assert run["counters"]["stock-r0"] == {}
 
 
+@pytest.mark.slow  # two servers and the benchmark end to end
 def test_the_mixed_cell_split_by_kind_against_stock_with_its_flops_bound(mixed):
     run, _ = mixed
     records = run["records"]

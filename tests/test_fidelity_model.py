@@ -92,6 +92,7 @@ def test_concurrent_probes_measure_what_one_at_a_time_measures(server, tiny_vlm)
         measure(client, layout, examples, scenarios, concurrency=0)
 
 
+@pytest.mark.slow  # the benchmark script end to end
 def test_benchmark_script_runs_end_to_end(tmp_path, tiny_vlm):
     result = subprocess.run(
         [

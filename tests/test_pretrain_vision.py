@@ -50,6 +50,7 @@ def test_labels_and_shapes(model_and_processor):
     assert 70 < marked < 130  # half of the images carry the dot
 
 
+@pytest.mark.slow  # a training run
 def test_short_pretraining_learns_attributes_and_leaves_the_decoder(model_and_processor):
     model, processor = model_and_processor
     decoder = {n: p.detach().clone() for n, p in model.named_parameters() if "visual" not in n}

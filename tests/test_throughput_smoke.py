@@ -12,6 +12,9 @@ import pytest
 from sgl_mmkv.refresh.flops import DecoderShape
 
 ROOT = Path(__file__).resolve().parent.parent
+# The throughput benchmark end to end (two servers, every cell): `make test-slow`.
+pytestmark = pytest.mark.slow
+
 IMAGE_TOKENS = 16  # a 112 x 112 image on the tiny model
 
 

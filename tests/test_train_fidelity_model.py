@@ -54,6 +54,7 @@ def test_follow_up_labels_are_the_answers_of_every_turn(processor):
             assert prefix.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # a training run
 def test_short_run_then_continue(tmp_path):
     first = train(
         tmp_path / "a", steps=3, batch_size=2, lr=1e-3, seed=0, log_every=1, num_validation=4
@@ -93,6 +94,7 @@ def test_marked_examples_take_no_keyed_follow_ups(processor):
         collate(processor, [make_example("train", 0, style="marked")], random.Random(0), 2)
 
 
+@pytest.mark.slow  # a training run
 def test_style_and_vision_pretraining_are_recorded(tmp_path):
     record = train(
         tmp_path / "m",
