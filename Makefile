@@ -20,7 +20,7 @@ demo: install
 test: install lint
 	$(PYTHON) -m pytest -q -m "not slow" -n 2 --dist loadfile --durations=25
 
-# The slow tests only (a training script end to end).
+# The slow tests only (training runs and benchmark scripts end to end).
 test-slow: install
 	$(PYTHON) -m pytest -q -m slow
 
