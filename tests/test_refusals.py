@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from sgl_mmkv.config import CONFIG_ENV, ConfigError, MMKVConfig
+from sgl_mmkv.launch_server import resolve_args
 from sgl_mmkv.support import (
     check_effective,
     check_model,
@@ -77,11 +78,14 @@ FLAG_CASES = [
 ]
 
 
-def _launch(model, extra: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
+def _argv(model, extra: list[str]) -> list[str]:
+    return ["--model-path", str(model), "--mm-reuse", "conduit", *extra]
+
+
+def _launch(argv: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
     """Run the launcher until it exits. One that is not refused starts a server: its
     whole process tree is ended at ``timeout_s`` and the result has no return code."""
-    command = [sys.executable, "-m", "sgl_mmkv.launch_server", "--model-path", str(model)]
-    command += ["--mm-reuse", "conduit", *extra]
+    command = [sys.executable, "-m", "sgl_mmkv.launch_server", *argv]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=stock_cpu_env()
     )
@@ -94,6 +98,25 @@ def _launch(model, extra: list[str], timeout_s: float = 240) -> subprocess.Compl
         out, err = proc.communicate()
         return subprocess.CompletedProcess(command, None, out, err + "\n(not refused: killed)")
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _probe(argvs: list[list[str]], out: Path) -> list[subprocess.CompletedProcess]:
+    """The launcher's ``main`` on each of ``argvs`` (one sgl_mmkv configuration) in one
+    process (tests/launch_probe.py): its return code and stderr for each."""
+    script = Path(__file__).with_name("launch_probe.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        env=stock_cpu_env(),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [
+        subprocess.CompletedProcess(argv, r["returncode"], "", r["stderr"])
+        for argv, r in zip(argvs, json.loads(out.read_text()), strict=True)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +137,35 @@ def longrope_llava(tiny_llava, tmp_path_factory):
     return out
 
 
+# Refused in a launcher process of their own as well as in the shared probe.
+IN_OWN_PROCESS = ["tensor parallel", "longrope model"]
+
+
 @pytest.fixture(scope="module")
-def launches(tiny_vlm, tiny_llm, longrope_llava) -> dict[str, subprocess.CompletedProcess]:
-    """Every refused start-up, two at a time (each imports SGLang, then exits)."""
-    runs = {name: (tiny_vlm, extra) for name, extra, _ in FLAG_CASES}
-    runs["text-only model"] = (tiny_llm, [])
-    runs["longrope model"] = (longrope_llava, [])
+def launches(tiny_vlm, tiny_llm, longrope_llava, tmp_path_factory):
+    """Every refused start-up, through the launcher's ``main`` in one process per sgl_mmkv
+    configuration (importing SGLang is what a refused start-up costs), and the cases of
+    ``IN_OWN_PROCESS`` through ``python -m sgl_mmkv.launch_server`` each, two at a time.
+    Returns ``(in the probe, in their own process)`` by case name."""
+    runs = {name: _argv(tiny_vlm, extra) for name, extra, _ in FLAG_CASES}
+    runs["text-only model"] = _argv(tiny_llm, [])
+    runs["longrope model"] = _argv(longrope_llava, [])
+    groups: dict[str, list[str]] = {}
+    for name, argv in runs.items():
+        groups.setdefault(repr(resolve_args(argv)[0]), []).append(name)
+    outs = tmp_path_factory.mktemp("launch-probe")
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(_launch, *run) for name, run in runs.items()}
-        return {name: future.result() for name, future in futures.items()}
+        probes = {
+            tuple(names): pool.submit(_probe, [runs[n] for n in names], outs / f"{i}.json")
+            for i, names in enumerate(groups.values())
+        }
+        own = {name: pool.submit(_launch, runs[name]) for name in IN_OWN_PROCESS}
+        probed = {
+            name: done
+            for names, future in probes.items()
+            for name, done in zip(names, future.result(), strict=True)
+        }
+        return probed, {name: future.result() for name, future in own.items()}
 
 
 def _refused(done: subprocess.CompletedProcess) -> str:
@@ -134,18 +177,26 @@ def _refused(done: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize(("name", "extra", "named"), FLAG_CASES, ids=[c[0] for c in FLAG_CASES])
 def test_an_unsupported_flag_is_refused_with_its_name(launches, name, extra, named):
-    line = _refused(launches[name])
+    line = _refused(launches[0][name])
     assert named in line and "--mm-reuse conduit" in line
 
 
 def test_a_text_only_model_is_refused(launches):
-    line = _refused(launches["text-only model"])
+    line = _refused(launches[0]["text-only model"])
     assert "does not support Qwen2ForCausalLM" in line and "--mm-reuse exact or off" in line
 
 
 def test_a_rotary_not_linear_in_position_is_refused(launches):
-    line = _refused(launches["longrope model"])
+    line = _refused(launches[0]["longrope model"])
     assert "longrope rotary scaling" in line and "not linear in position" in line
+
+
+@pytest.mark.parametrize("name", IN_OWN_PROCESS)
+def test_the_launcher_process_exits_2_with_the_same_line(launches, name):
+    """``python -m sgl_mmkv.launch_server`` exits with status 2 and prints one error
+    line, the one its ``main`` gives in the shared probe."""
+    probed, own = launches
+    assert _refused(own[name]) == _refused(probed[name])
 
 
 # Stock `sglang.launch_server` with sgl_mmkv's config in the environment: the
