@@ -134,8 +134,7 @@ def _wait_writes(server: ServerProcess, writes: int, timeout_s: float = 120.0) -
 def strip_embeddings(directory: Path) -> int:
     """Rewrite every entry of the ``file`` storage ``directory`` with its KV alone (the
     same names: the fingerprint is the instance's). Returns the entries rewritten."""
-    from sgl_mmkv.segments.entry_format import KVFingerprint, decode_header
-    from sgl_mmkv.segments.key import Namespace, SegmentKey
+    from sgl_mmkv.segments.entry_format import KVFingerprint, decode_header, key_from_fields
     from sgl_mmkv.segments.storage import open_storage
 
     done = 0
@@ -143,11 +142,7 @@ def strip_embeddings(directory: Path) -> int:
         fields = decode_header(header.read_bytes())
         if fields is None or fields.get("embeds") is None:
             continue
-        k = fields["key"]
-        key = SegmentKey(
-            Namespace(k["namespace_seed"], k["lora_id"]), bytes.fromhex(k["content"]),
-            k["modality"], tuple(k["grid"]), k["num_tokens"],
-        )  # fmt: skip
+        key = key_from_fields(fields["key"])
         storage = open_storage("file", KVFingerprint(**fields["kv"]), str(directory))
         stored = storage.load(key)
         if stored is None:

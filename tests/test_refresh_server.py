@@ -79,6 +79,19 @@ def _assert_same(probe, cold, tol=2e-2):
         assert abs(logprobs[token] - cold_logprobs[token]) < tol, token
 
 
+def _cold_then_reused(server, client, probe_messages: list, images: list):
+    """``probe_messages`` answered cold (a full prefill after a flush), then again after
+    another conversation stored ``images``: ``(reused reply, cold reply, stats before
+    and after the reused one)``."""
+    _flush(server)
+    cold = _chat(client, probe_messages)
+    _flush(server)
+    _chat(client, _conversation("You are a helpful assistant.", images))
+    before = _stats(server)
+    probe = _chat(client, probe_messages)
+    return probe, cold, before, _stats(server)
+
+
 @pytest.mark.parametrize(
     "order, num_images",
     [("changed_prefix", 1), ("changed_prefix", 3), ("reordered", 3)],
@@ -87,13 +100,7 @@ def test_budget_one_reproduces_full_prefill(server, client, order, num_images):
     images = [make_image(100 + i) for i in range(num_images)]
     probe_images = images[::-1] if order == "reordered" else images
     probe_messages = _conversation("Answer in one word.", probe_images)
-    _flush(server)
-    cold = _chat(client, probe_messages)
-    _flush(server)
-    _chat(client, _conversation("You are a helpful assistant.", images))
-    before = _stats(server)
-    probe = _chat(client, probe_messages)
-    after = _stats(server)
+    probe, cold, before, after = _cold_then_reused(server, client, probe_messages, images)
 
     _assert_same(probe, cold)
     reused = num_images * TOKENS_PER_IMAGE
@@ -238,12 +245,7 @@ def test_chunked_prefill_reuses_every_image_even_when_a_chunk_cuts_it(tiny_vlm, 
         client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
         images = [make_image(600 + i) for i in range(4)]
         probe_messages = _conversation("A different system prompt.", images)
-        cold = _chat(client, probe_messages)
-        _flush(proc)
-        _chat(client, _conversation("You are a helpful assistant.", images))
-        before = _stats(proc)
-        probe = _chat(client, probe_messages)
-        after = _stats(proc)
+        probe, cold, before, after = _cold_then_reused(proc, client, probe_messages, images)
         _assert_same(probe, cold)
         hits = after["store"]["hits"] - before["store"]["hits"]
         reused = after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"]
@@ -324,12 +326,7 @@ def test_staleprobe_at_budget_one_reproduces_full_prefill(tiny_vlm, tmp_path_fac
         client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
         images = [make_image(800 + i) for i in range(3)]
         probe_messages = _conversation("Answer in one word.", images[::-1])
-        cold = _chat(client, probe_messages)
-        _flush(proc)
-        _chat(client, _conversation("You are a helpful assistant.", images))
-        before = _stats(proc)
-        probe = _chat(client, probe_messages)
-        after = _stats(proc)
+        probe, cold, before, after = _cold_then_reused(proc, client, probe_messages, images)
         _assert_same(probe, cold)
         reused = after["refresh"]["reused_tokens"] - before["refresh"]["reused_tokens"]
         refreshed = after["refresh"]["refreshed_tokens"] - before["refresh"]["refreshed_tokens"]

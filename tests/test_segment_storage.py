@@ -11,6 +11,7 @@ bit exact, bounded by the key before allocation, older formats misses.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -92,6 +93,13 @@ def test_round_trip_through_sglang_file_backend_is_bit_exact(tmp_path, compresse
     assert_same(original, other.load(key()))
     assert other.save(key(), original) and other.counters.write_skipped == 1
     assert other.counters.writes == 0
+
+
+def test_a_header_key_reads_back_as_the_key_it_records():
+    from sgl_mmkv.segments.entry_format import key_fields, key_from_fields
+
+    for k in (key(), key(9, Namespace("a1b2", "adapter-4"), n=3)):
+        assert key_from_fields(json.loads(json.dumps(key_fields(k)))) == k
 
 
 def test_other_namespace_or_fingerprint_is_a_miss(storage, tmp_path):
@@ -424,6 +432,21 @@ def plant_header(storage: SegmentStorage, k: SegmentKey, **changes) -> None:
 HUGE = 100 * 2**30 // 128  # tokens: a K and V of ~100 GiB under FINGERPRINT
 
 
+@pytest.fixture()
+def reads(monkeypatch) -> list[int]:
+    """The sizes of the file-directory reads the test makes, in order."""
+    from sgl_mmkv.segments.file_directory import FileDirectory
+
+    sizes: list[int] = []
+    real_read = FileDirectory.read
+    monkeypatch.setattr(
+        FileDirectory,
+        "read",
+        lambda self, name, size: sizes.append(size) or real_read(self, name, size),
+    )
+    return sizes
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -455,18 +478,9 @@ HUGE = 100 * 2**30 // 128  # tokens: a K and V of ~100 GiB under FINGERPRINT
         "path",
     ],  # fmt: skip
 )
-def test_a_planted_header_is_refused_before_any_payload_read(storage, monkeypatch, changes):
+def test_a_planted_header_is_refused_before_any_payload_read(storage, reads, changes):
     """Every field is checked against the key and fingerprint: nothing beyond the
     4 KiB header is read, so nothing is sized from what the header claims."""
-    from sgl_mmkv.segments.file_directory import FileDirectory
-
-    reads = []
-    real_read = FileDirectory.read
-    monkeypatch.setattr(
-        FileDirectory,
-        "read",
-        lambda self, name, size: reads.append(size) or real_read(self, name, size),
-    )
     plant_header(storage, key(), **changes)
     assert storage.load(key()) is None
     assert reads == [HEADER_BYTES]
@@ -535,22 +549,12 @@ EMBEDS_BASE = 3 * 5 * 8 + 2 * 2 * 5 * 2 * 4 * 4  # positions, K and V of 5 token
      [0, EMBED_WIDTH], [5], [5, 6.0], "5x6"],
     ids=["fits", "rows>n", "100GiB", "width_huge", "width", "rows0", "short", "float", "str"],
 )  # fmt: skip
-def test_a_planted_embeddings_section_is_refused_before_any_payload_read(
-    tmp_path, monkeypatch, embeds
-):
+def test_a_planted_embeddings_section_is_refused_before_any_payload_read(tmp_path, reads, embeds):
     """The header's embeddings must fit the key (at most a row per image token) and the
     fingerprint's layout; only then is the payload it names read (``fits``: read, and
     missing: corrupt all the same)."""
-    from sgl_mmkv.segments.file_directory import FileDirectory
-
     storage = open_storage("file", EMBEDDED, directory=str(tmp_path))
-    reads = []
-    real_read = FileDirectory.read
-    monkeypatch.setattr(
-        FileDirectory,
-        "read",
-        lambda self, name, size: reads.append(size) or real_read(self, name, size),
-    )
+    reads.clear()  # what opening the directory read
     claimed = embeds[0] * embeds[1] * 2 if isinstance(embeds, list) and len(embeds) == 2 else 0
     plant_header(storage, key(), embeds=embeds, payload_bytes=int(EMBEDS_BASE + claimed))
     assert storage.load(key()) is None

@@ -32,7 +32,12 @@ import requests
 
 from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
 from sgl_mmkv.segments.deadline import DELAY_FILE_ENV
-from sgl_mmkv.segments.entry_format import HEADER_BYTES, decode_header, encode_header
+from sgl_mmkv.segments.entry_format import (
+    HEADER_BYTES,
+    decode_header,
+    encode_header,
+    key_from_fields,
+)
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -214,17 +219,12 @@ def _without_embeddings(shared, name: str) -> int:
     """Rewrite A's entry of image ``name`` with its KV alone (as an instance whose
     encoder output did not fit would have written it), through the storage itself.
     Returns the bytes of the embeddings it had."""
-    from sgl_mmkv.segments.key import Namespace, SegmentKey
     from sgl_mmkv.segments.storage import KVFingerprint, open_storage
 
     directory, files = shared["storage"], shared["files"][name]
     header = _part(directory, files, "h")
     fields = decode_header(header.read_bytes())
-    k = fields["key"]
-    key = SegmentKey(
-        Namespace(k["namespace_seed"], k["lora_id"]), bytes.fromhex(k["content"]),
-        k["modality"], tuple(k["grid"]), k["num_tokens"],
-    )  # fmt: skip
+    key = key_from_fields(fields["key"])
     storage = open_storage("file", KVFingerprint(**fields["kv"]), str(directory))
     stored = storage.load(key)
     assert stored is not None and stored.embeddings is not None

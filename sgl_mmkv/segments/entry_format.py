@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sgl_mmkv.segments.key import SegmentKey
+from sgl_mmkv.segments.key import Namespace, SegmentKey
 
 FORMAT_VERSION = 3  # 3: the optional embeddings section
 HEADER_BYTES = 4096
@@ -119,6 +119,18 @@ def key_fields(key: SegmentKey) -> dict[str, Any]:
         "grid": list(key.grid),
         "num_tokens": key.num_tokens,
     }
+
+
+def key_from_fields(fields: dict[str, Any]) -> SegmentKey:
+    """The key :func:`key_fields` recorded (fields of a header that passed
+    :func:`decode_header`; a stored header is checked against the key asked for)."""
+    return SegmentKey(
+        Namespace(fields["namespace_seed"], fields["lora_id"]),
+        bytes.fromhex(fields["content"]),
+        fields["modality"],
+        tuple(fields["grid"]),
+        fields["num_tokens"],
+    )
 
 
 def namespace_tag(key: SegmentKey) -> str:
