@@ -228,8 +228,9 @@ class Soak:
         kinds = list(KINDS)
         weights = [KINDS[k][0] for k in kinds]
         plan = self.rng.choices(kinds, weights, k=count)
-        for kind in kinds:  # every kind at least once
-            plan[self.rng.randrange(count)] = kind
+        places = self.rng.sample(range(count), min(count, len(kinds)))
+        for kind, i in zip(kinds, places, strict=False):
+            plan[i] = kind  # every kind at least once (a place each)
         started = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(self.one, plan, range(count)))
