@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_mmkv.refresh.cost import reuse_flops, unchanged_prefix
+from sgl_mmkv.refresh.cost import reuse_flops, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
 from sgl_mmkv.scoring import make_refresh_scorer
@@ -82,6 +82,26 @@ def test_estimate_counts_scoring_pass_and_bounded_refresh_pass(budget):
     refresh[52 - k : 52] = True
     expected = scoring + SHAPE.pass_flops(positions[refresh])
     assert reuse_flops(SHAPE, plan, make_refresh_scorer("conduit"), budget) == expected
+
+
+def test_estimate_counts_the_tokens_staleprobe_probes_in_its_scoring_pass():
+    # Three spans, the last two shifted alike: staleprobe probes the first two, each
+    # at its middle reused token, over the rows conduit's scoring pass runs.
+    visual = torch.zeros(200, dtype=torch.bool)
+    spans = []
+    for (start, end), delta in zip([(20, 52), (60, 92), (100, 132)], [5, -3, -3], strict=True):
+        segment = Segment(key=(start,), slots=torch.arange(32), positions=torch.arange(32)[None])
+        spans.append(ReuseSpan(start, end, segment, delta=delta))
+        visual[start:end] = True
+    plan = RequestPlan(0, 0, 200, tuple(spans), visual=visual)
+    positions = torch.arange(200)
+    scoring = scoring_rows(plan.fresh_mask())
+    probed = scoring.clone()
+    probed[[36, 76]] = True
+    extra = SHAPE.pass_flops(positions[probed]) - SHAPE.pass_flops(positions[scoring])
+    assert extra > 0
+    conduit = reuse_flops(SHAPE, plan, make_refresh_scorer("conduit"), 0.1)
+    assert reuse_flops(SHAPE, plan, make_refresh_scorer("staleprobe"), 0.1) == conduit + extra
 
 
 def test_estimate_skips_a_compressed_segments_dropped_tokens_in_the_refresh_pass():

@@ -17,6 +17,7 @@ import torch
 
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.probes import probe_rows
 from sgl_mmkv.scoring import TokenScorer
 from sgl_mmkv.scoring.base import budget_count
 
@@ -72,7 +73,8 @@ def refresh_rows(
 
 
 def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, budget: float) -> int:
-    """Estimated FLOPs of serving ``plan`` with reuse, all passes.
+    """Estimated FLOPs of serving ``plan`` with reuse, all passes (the scoring pass
+    with the tokens the scorer probes).
 
     The refresh pass is bounded from above: its ``ceil(budget * image tokens)``
     selected tokens are taken as the last reused ones and nothing before the first
@@ -84,7 +86,9 @@ def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, bud
     if scorer.needs_fresh_kv:
         total += shape.extend_flops(plan.prefix_len, plan.seq_len)
     if scorer.needs_attention:
-        total += shape.pass_flops(positions[scoring_rows(fresh)])
+        scored = scoring_rows(fresh)
+        scored[probe_rows(plan, scorer) - plan.prefix_len] = True  # staleness probes
+        total += shape.pass_flops(positions[scored])
     after_scoring_pass = scorer.needs_attention or scorer.needs_fresh_kv
     num_image_tokens = sum(s.end - s.start for s in plan.spans) - int(plan.hole_mask().sum())
     k = budget_count(budget, num_image_tokens)
