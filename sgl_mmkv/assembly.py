@@ -37,7 +37,13 @@ def assemble_runtime(
     allocator = cache.token_to_kv_pool_allocator
     kv_pool = allocator.get_kvcache()
     compress = config.mm_kv_budget if config.uses_scored_eviction else None
-    store = SegmentStore(allocator, kv_pool, compress, _storage(config, kv_pool, identity, embeds))
+    store = SegmentStore(
+        allocator,
+        kv_pool,
+        compress,
+        _storage(config, kv_pool, identity, embeds),
+        embeddings_max_bytes=int(config.mm_embeddings_max_gib * 2**30),
+    )
     ranker, compactor = None, None
     if config.uses_scored_eviction:
         if config.compresses_at_decode or config.reuses_with_holes:

@@ -70,6 +70,7 @@ NO_SEGMENT_STORAGE = "none"
 MOONCAKE_STORAGE = "mooncake"  # Mooncake's own client (sgl_mmkv/segments/mooncake_store.py)
 SEGMENT_STORAGE_METAVAR = "{none,file,mooncake,hf3fs,nixl,...}"
 DEFAULT_STORAGE_DEADLINE_MS = 200.0
+DEFAULT_EMBEDDINGS_MAX_GIB = 1.0
 MAX_STORAGE_DEADLINE_MS = 60_000.0
 RADIX_CACHE_BACKEND_NAME = "sgl_mmkv"
 
@@ -119,6 +120,8 @@ class MMKVConfig:
         mm_report_reuse: whether reuse facts reach callers (per-request meta info,
             ``/get_server_info``, every counter in ``/metrics``); off by default, since
             they reveal other clients' images.
+        mm_embeddings_max_gib: host memory (GiB) for the vision-encoder output the
+            segments keep; 0: none (a reusing request runs the vision tower).
         mm_segment_storage: ``none``, or the SGLang storage backend (``file``,
             ``mooncake``, ...) segments are written through to and loaded from.
         mm_segment_storage_dir: the ``file`` backend's directory.
@@ -174,6 +177,13 @@ class MMKVConfig:
         "sgl_mmkv's counters in /get_server_info; they tell a caller whether another "
         "client sent an image; with --enable-metrics, every counter in /metrics too "
         "(off: only coarse ones)",
+    )
+    mm_embeddings_max_gib: float = _flag(
+        DEFAULT_EMBEDDINGS_MAX_GIB,
+        "host memory for stored images' vision-encoder output, kept with their segments "
+        "(and written to --mm-segment-storage) so that a reusing request skips the "
+        "vision tower; least recently used let go first (0: keep none)",
+        metavar="GIB",
     )
     mm_segment_storage: str = _flag(
         NO_SEGMENT_STORAGE,
@@ -235,7 +245,18 @@ class MMKVConfig:
         if self.mm_report_reuse and not self.uses_mmkv_cache:
             raise ConfigError("--mm-report-reuse needs --mm-reuse other than off")
         self._check_eviction()
+        self._check_embeddings()
         self._check_storage()
+
+    def _check_embeddings(self) -> None:
+        cap = self.mm_embeddings_max_gib
+        if not (_is_real(cap) and 0.0 <= cap < float("inf")):
+            raise ConfigError(f"--mm-embeddings-max-gib must be a size in GiB >= 0, got {cap!r}")
+        if cap != DEFAULT_EMBEDDINGS_MAX_GIB and not self.uses_refresh:
+            raise ConfigError(
+                f"--mm-embeddings-max-gib needs a refresh mode of --mm-reuse (the segment "
+                f"store), not {self.mm_reuse}"
+            )
 
     def _check_scorer_args(self) -> None:
         text = self.mm_refresh_scorer_args

@@ -148,11 +148,40 @@ def test_scorer_args_reach_the_scorer_and_are_off_by_default():
             ["--mm-reuse", "first", "--mm-refresh-scorer-args", '{"seed": 1}'],
             "first has no knob 'seed' \\(its knobs: none\\)",
         ),
+        (
+            ["--mm-reuse", "conduit", "--mm-embeddings-max-gib", "-1"],
+            "--mm-embeddings-max-gib must be a size in GiB >= 0, got -1.0",
+        ),
+        (
+            ["--mm-reuse", "conduit", "--mm-embeddings-max-gib", "inf"],
+            "--mm-embeddings-max-gib must be a size in GiB >= 0, got inf",
+        ),
+        (
+            ["--mm-reuse", "exact", "--mm-embeddings-max-gib", "2"],
+            "--mm-embeddings-max-gib needs a refresh mode of --mm-reuse .*, not exact",
+        ),
     ],
 )
 def test_bad_flags_raise_config_error(argv, message):
     with pytest.raises(ConfigError, match=message):
         resolve_args(argv)
+
+
+def test_the_embeddings_cap_reaches_the_segment_store():
+    from types import SimpleNamespace
+
+    import torch
+
+    from sgl_mmkv.assembly import assemble_runtime
+
+    for gib, cap in ((1.0, 2**30), (0.25, 2**28), (0.0, 0)):
+        config, _ = resolve_args(["--mm-reuse", "conduit", "--mm-embeddings-max-gib", str(gib)])
+        pool = SimpleNamespace(device=torch.device("cpu"))
+        allocator = SimpleNamespace(get_kvcache=lambda pool=pool: pool)
+        cache = SimpleNamespace(
+            page_size=1, token_to_kv_pool_allocator=allocator, publish_metrics=None, metrics=None
+        )
+        assert assemble_runtime(config, cache, "m").store.embeddings_max_bytes == cap
 
 
 def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
