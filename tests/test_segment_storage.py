@@ -289,6 +289,40 @@ def test_a_segment_s_embeddings_travel_with_it_to_another_store(tmp_path):
     assert b.embedding_bytes == 0 and loaded.embeddings is None
 
 
+def test_embeddings_gained_after_a_load_without_them_are_written_back(tmp_path):
+    layout = (EMBED_WIDTH, "torch.bfloat16")
+    a = make_store(tmp_path, embeds=layout)
+    a.fill(key(), a.allocator.alloc(5), torch.arange(15).reshape(3, 5))  # no embeddings
+    assert a.storage.drain()
+    b = make_store(tmp_path, embeds=layout)
+    loaded = b.lookup(key())
+    assert loaded.persisted and loaded.embeddings is None
+    rows = torch.randn(5, EMBED_WIDTH).bfloat16()
+    b.gain_embeddings(loaded, rows)
+    assert b.storage.drain() and b.counters.embeddings_gained == 1
+    c = b.storage.counters
+    assert (c.rewritten, c.writes, c.write_skipped) == (1, 1, 0)
+    again = make_store(tmp_path, embeds=layout).lookup(key())
+    assert torch.equal(again.embeddings.view(torch.int16), rows.view(torch.int16))
+    b.gain_embeddings(loaded, rows)  # has them: nothing attached, nothing written
+    assert b.storage.drain() and (b.counters.embeddings_gained, c.writes) == (1, 1)
+
+
+def test_a_compressed_segment_gains_embeddings_without_writing_its_entry_again(tmp_path):
+    layout = (EMBED_WIDTH, "torch.bfloat16")
+    a = make_store(tmp_path, embeds=layout)
+    a.fill(key(), a.allocator.alloc(5), torch.arange(15).reshape(3, 5))
+    assert a.storage.drain()
+    b = make_store(tmp_path, embeds=layout)
+    loaded = b.lookup(key())
+    loaded.ranking = torch.tensor([5.0, 1.0, 4.0, 3.0, 0.0])
+    b.compress(loaded, 0.6)
+    b.gain_embeddings(loaded, torch.randn(5, EMBED_WIDTH).bfloat16())
+    assert b.storage.drain() and loaded.embeddings is not None
+    assert (b.storage.counters.writes, b.storage.counters.rewritten) == (0, 0)
+    assert make_store(tmp_path, embeds=layout).lookup(key()).kept is None  # whole, as stored
+
+
 def test_embeddings_beyond_the_cap_let_the_least_recently_used_go():
     one = 5 * EMBED_WIDTH * 4
     store = SegmentStore(Allocator(64), Pool(64), embeddings_max_bytes=2 * one)

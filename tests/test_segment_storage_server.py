@@ -237,6 +237,18 @@ def _without_embeddings(shared, name: str) -> int:
     return size
 
 
+def _embeds_written(header, timeout_s: float) -> bool:
+    """Whether the entry of ``header`` records embeddings within ``timeout_s`` (it is
+    written on the storage's writer thread, its header last)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fields = decode_header(header.read_bytes()) if header.exists() else None
+        if fields is not None and fields["embeds"] is not None:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_b2_partial_refresh_from_stored_embeddings_equals_recomputed_ones(tiny_vlm, shared):
     """At budget 0.1 the refresh pass recomputes the text and a few image tokens from
     their input embeddings: the answer from A's stored encoder output is B2's own to the
@@ -258,8 +270,13 @@ def test_b2_partial_refresh_from_stored_embeddings_equals_recomputed_ones(tiny_v
         assert again["storage"]["hits"] - after["storage"]["hits"] == 1
         assert _vision(again, after) == {"embeddings_loaded": 0, "skipped": 0, "encoded": 1}
         assert computed == stored  # text and every top logprob, exactly
-        # the loaded segment keeps what B2 computed (the store held nothing else)
+        # the loaded segment keeps what B2 computed (the store held nothing else) and
+        # its entry is written again with them, under the same name
         assert again["store"]["embedding_bytes"] == size == TOKENS_PER_IMAGE * HIDDEN * 2
+        assert again["store"]["embeddings_gained"] == 1
+        header = _part(shared["storage"], shared["files"]["W"], "h")
+        assert _embeds_written(header, timeout_s=30)
+        assert mmkv_stats(b2.base_url)["storage"]["rewritten"] - after["storage"]["rewritten"] == 1
     _assert_no_embedding_warning(log.read_text())
 
 

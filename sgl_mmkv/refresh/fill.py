@@ -67,7 +67,7 @@ class SegmentFiller:
         for key, rows in embeddings.items():  # segments that had none (an older entry)
             segment = self.store.peek(key)
             if segment is not None and segment.embeddings is None:
-                self.store.attach_embeddings(segment, rows)
+                self.store.gain_embeddings(segment, rows)
         if self.compress_budget is not None:
             for key in rankings:
                 segment = self.store.peek(key)

@@ -402,8 +402,9 @@ class SegmentStorage:
         return self._writes.drain(timeout_s)
 
     def save(self, key: SegmentKey, stored: StoredSegment) -> bool:
-        """Write ``stored`` under ``key`` unless an intact entry is there. Returns True
-        if it is stored now."""
+        """Write ``stored`` under ``key`` unless an intact entry is there (one without
+        the embeddings ``stored`` brings is written again, with them). Returns True if
+        it is stored now."""
         started = time.perf_counter()
         try:
             return self._save(key, stored)
@@ -418,11 +419,15 @@ class SegmentStorage:
         if embeddings is not None and not self.fingerprint.fits_embeddings(embeddings, key):
             stored = replace(stored, embeddings=None)  # another layout: the KV alone
         try:
-            if self._intact(name, key):
+            present = self._intact(name, key)
+            if present is not None and (
+                stored.embeddings is None or present.get("embeds") is not None
+            ):
                 self.count({"write_skipped": 1})
                 self._touch(name)
                 return True
-            if self._exists(name + "_h"):  # damaged, or its payload went: written again
+            # damaged, its payload went, or without the embeddings we have: written again
+            if present is not None or self._exists(name + "_h"):
                 if not self._remove_entry(name):
                     self.count({"write_skipped": 1})
                     return False
@@ -456,22 +461,24 @@ class SegmentStorage:
         self.count({"writes": 1, "bytes_written": size})
         return True
 
-    def _intact(self, name: str, key: SegmentKey) -> bool:
-        """Whether ``name`` has a header for ``key`` whose payload is there in full (and
-        no load found the entry damaged)."""
+    def _intact(self, name: str, key: SegmentKey) -> dict | None:
+        """The header fields of ``name`` if it is an entry for ``key`` whose payload is
+        there in full (and no load found it damaged), else None."""
         with self._lock:
             if name in self._damaged:
-                return False
+                return None
         try:
             found = self._header(name, key)
             if found is None:
-                return False
+                return None
             fields, _ = found
             if self.directory is None:
-                return bool(self.backend.exists(fields["payload"]))
-            return self.directory.size(fields["payload"]) == fields["payload_bytes"]
+                whole = bool(self.backend.exists(fields["payload"]))
+            else:
+                whole = self.directory.size(fields["payload"]) == fields["payload_bytes"]
+            return fields if whole else None
         except (_Corrupt, _Mismatched, BadHeader, WrongSize, UnsafeObject):
-            return False
+            return None
 
     def _exists(self, name: str) -> bool:
         if self.directory is None:

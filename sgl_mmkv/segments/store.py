@@ -112,6 +112,7 @@ class StoreCounters(Counters):
     canonical_skipped: int = 0
     embeddings_loaded: int = 0  # segments loaded from L3 with their image embeddings
     embeddings_dropped: int = 0  # embeddings let go to keep embeddings_max_bytes
+    embeddings_gained: int = 0  # attached to a segment that had none (written again)
     # images of extend forwards whose embeddings came from a segment (vision tower
     # skipped), and images the vision tower encoded (refresh/segment_embeddings.py)
     vision_skipped: int = 0
@@ -310,6 +311,19 @@ class SegmentStore:
         if stored.embeddings is not None and self.attach_embeddings(segment, stored.embeddings):
             self.counters.embeddings_loaded += 1
         return segment
+
+    def gain_embeddings(self, segment: Segment, embeddings: torch.Tensor) -> None:
+        """Attach ``embeddings`` ``(n_e, W)`` the vision tower computed for a segment that
+        had none (loaded from an entry written without them, or filled without them),
+        and write its entry again with them, so other instances skip the vision tower
+        too. A segment compressed since it was stored is not written again (its entry
+        keeps more tokens)."""
+        if not self.attach_embeddings(segment, embeddings):
+            return
+        self.counters.embeddings_gained += 1
+        if self.storage is not None and segment.persisted and segment.kept is None:
+            segment.persisted = False
+            self.write_through(segment)
 
     def attach_embeddings(self, segment: Segment, embeddings: torch.Tensor) -> bool:
         """Keep ``embeddings`` ``(n_e, W)`` (a copy on the CPU) with ``segment``, unless it
