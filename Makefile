@@ -18,7 +18,7 @@ demo: install
 # What CI runs (.ci/run): lint, then every test not marked slow, on two workers
 # (a test module stays on one worker, so its server starts once).
 test: install lint
-	$(PYTHON) -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(PYTHON) -m pytest -q -m "not slow" -n 2 --dist loadfile --durations=25
 
 # The slow tests only (training runs and benchmark scripts end to end).
 test-slow: install

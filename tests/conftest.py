@@ -29,40 +29,6 @@ def pytest_configure(config) -> None:
     ServerProcess.strict_fallbacks = True
 
 
-# `make test` hands modules to its two workers in collection order
-# (--no-loadscope-reorder): the longest first, so that no worker is left alone with a
-# long one at the end. Module times measured on the 2-core machine, longest first;
-# modules not named follow in file order.
-LONGEST_FIRST = (
-    "test_eviction_server.py",
-    "test_architectures_server.py",
-    "test_holes_chunked_server.py",
-    "test_committed_model.py",
-    "test_holes_positions_server.py",
-    "test_segment_storage_server.py",
-    "test_refresh_server.py",
-    "test_parity_with_stock.py",
-    "test_mooncake_storage_server.py",
-    "test_routing_server.py",
-    "test_segment_fill.py",
-    "test_refusals.py",
-    "test_metrics_server.py",
-    "test_request_shapes_server.py",
-    "test_isolation_server.py",
-    "test_soak.py",
-    "test_fallback_server.py",
-    "test_fidelity_model.py",
-    "test_mooncake_storage.py",
-    "test_launcher_flags.py",
-    "test_wheel.py",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -28,7 +28,6 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
-    start_together,
     stock_cpu_env,
 )
 
@@ -57,7 +56,8 @@ def servers(request, tiny_vlm, tmp_path_factory):
         ),
     }
     try:
-        start_together(list(procs.values()), 400.0)
+        for proc in procs.values():
+            proc.start(400.0)
         yield procs, fault
     finally:
         for proc in procs.values():

@@ -26,7 +26,7 @@ def test_a_short_soak_passes(tiny_vlm, tmp_path):
     command = [
         sys.executable,
         str(SOAK),
-        *("--requests", "100", "--concurrency", "8", "--seed", "1", "--probes", "8"),
+        *("--requests", "200", "--concurrency", "8", "--seed", "1", "--probes", "8"),
         *("--model-path", str(tiny_vlm), "--out-dir", str(tmp_path)),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -34,7 +34,7 @@ def test_a_short_soak_passes(tiny_vlm, tmp_path):
     record = json.loads((tmp_path / "soak.json").read_text())
     assert record["failures"] == [] and record["alive"]
     assert set(record["outcomes"]) == set(_kinds())  # every shape was sent
-    assert sum(sum(c.values()) for c in record["outcomes"].values()) == 100
+    assert sum(sum(c.values()) for c in record["outcomes"].values()) == 200
     assert record["refresh"]["reused_tokens"] > 0  # reuse happened under the traffic
     holes = record["row_compaction"]
     assert holes["hole_tokens"] > 0 and holes["skipped_requests"] == 0  # holes, all compacted
