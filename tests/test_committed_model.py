@@ -43,6 +43,7 @@ def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
     assert report["accuracy"] == pytest.approx(recorded["subset_accuracy"], abs=MARGIN)
 
 
+@pytest.mark.slow  # re-measures figures accuracy.json recorded (a benchmark of the model)
 @pytest.mark.parametrize(
     "name, scenarios",
     [

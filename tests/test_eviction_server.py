@@ -47,7 +47,8 @@ def _server_args(pool_tokens: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_vlm, tmp_path_factory):
-    """name -> server, started when a test first asks for it (two up at once)."""
+    """name -> server, started when a test first asks for it (three up at once: the
+    tests in file order then start 10 servers for 9 configurations, two at a time 13)."""
     logs = tmp_path_factory.mktemp("logs")
     configs = {
         "lru": _server_args(2048),
@@ -85,7 +86,8 @@ def servers(tiny_vlm, tmp_path_factory):
                 "sgl_mmkv.launch_server", tiny_vlm, args, log_path=logs / name, env=envs.get(name)
             )
             for name, args in configs.items()
-        }
+        },
+        max_alive=3,
     )
     try:
         yield servers

@@ -28,6 +28,7 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
+    start_together,
     stock_cpu_env,
 )
 
@@ -56,8 +57,7 @@ def servers(request, tiny_vlm, tmp_path_factory):
         ),
     }
     try:
-        for proc in procs.values():
-            proc.start(400.0)
+        start_together(list(procs.values()), 400.0)
         yield procs, fault
     finally:
         for proc in procs.values():

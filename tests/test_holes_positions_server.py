@@ -27,6 +27,7 @@ from sgl_mmkv.testing.server import (
     REPORT_REUSE,
     ServerProcess,
     mmkv_stats,
+    start_together,
     stock_cpu_env,
 )
 
@@ -61,8 +62,7 @@ def servers(model, tmp_path_factory):
         ),
     }
     try:
-        for proc in procs.values():
-            proc.start(400.0)
+        start_together(list(procs.values()), 400.0)
         yield procs
     finally:
         for proc in procs.values():

@@ -32,6 +32,7 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
+    start_together,
     stock_cpu_env,
 )
 from tests.mooncake_helpers import BIND_ENV, MooncakeCluster, empty_fill, fill_store, overwrite
@@ -97,12 +98,13 @@ def shared(tiny_vlm, cluster, tmp_path_factory) -> dict:
     asked = [("probe", PROBE_SYSTEM, X), ("full", FULL_SYSTEM, FULL), ("down", DOWN_SYSTEM, Z)]
     asked += [(name, DAMAGE_SYSTEM, image) for name, image in DAMAGED.items()]
     args = [*CPU_SERVER_ARGS, "--sleep-on-idle"]
-    with ServerProcess("sglang.launch_server", tiny_vlm, args, logs / "stock.log") as stock:
-        answers = {name: _chat(stock, system, image) for name, system, image in asked}
+    stock = ServerProcess("sglang.launch_server", tiny_vlm, args, logs / "stock.log")
     a = _server(tiny_vlm, cluster, logs / "a.log")
     objects: dict[str, set[str]] = {}
     try:
-        a.start()
+        start_together([stock, a])
+        with stock:  # already started: stopped on leaving
+            answers = {name: _chat(stock, system, image) for name, system, image in asked}
         a_before = _storage(a)  # after SGLang's warm-up request
         seen = cluster.keys()
         shown = [("X", X, {}), ("Y", Y, {"cache_salt": "tenant-A"}), ("Z", Z, {})]
@@ -113,7 +115,8 @@ def shared(tiny_vlm, cluster, tmp_path_factory) -> dict:
             seen |= objects[name]
         a_stats = mmkv_stats(a.base_url)
     finally:
-        a.stop()  # by PID, the whole process tree
+        for server in (stock, a):
+            server.stop()  # by PID, the whole process tree
     assert a.process.poll() is not None
     return {"stock": answers, "objects": objects, "a_before": a_before, "a": a_stats,
             "logs": logs}  # fmt: skip

@@ -8,6 +8,8 @@ cache hits (and misses) are part of what is compared.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 import requests
@@ -77,16 +79,19 @@ def _serve_and_run(module: str, model, extra: list[str], log) -> tuple[list[dict
 
 @pytest.fixture(scope="module")
 def runs(tiny_vlm, tmp_path_factory) -> dict[str, tuple[list[dict], dict, str]]:
+    """Each side's sequence, two servers up at a time (each its own fresh tree)."""
     logs = tmp_path_factory.mktemp("parity_logs")
-    return {
-        "stock": _serve_and_run("sglang.launch_server", tiny_vlm, [], logs / "stock.log"),
-        "off": _serve_and_run(
-            "sgl_mmkv.launch_server", tiny_vlm, ["--mm-reuse", "off"], logs / "off.log"
-        ),
-        "exact": _serve_and_run(
-            "sgl_mmkv.launch_server", tiny_vlm, ["--mm-reuse", "exact"], logs / "exact.log"
-        ),
+    sides = {
+        "stock": ("sglang.launch_server", []),
+        "off": ("sgl_mmkv.launch_server", ["--mm-reuse", "off"]),
+        "exact": ("sgl_mmkv.launch_server", ["--mm-reuse", "exact"]),
     }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(_serve_and_run, module, tiny_vlm, extra, logs / f"{name}.log")
+            for name, (module, extra) in sides.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
 
 
 def test_stock_run_exercises_hits_and_misses(runs):

@@ -45,6 +45,7 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
+    start_together,
     stock_cpu_env,
 )
 
@@ -152,14 +153,15 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
     logs = tmp_path_factory.mktemp("storage_logs")
     storage = tmp_path_factory.mktemp("l3") / "segments"
     args = [*CPU_SERVER_ARGS, "--sleep-on-idle"]
-    with ServerProcess("sglang.launch_server", tiny_vlm, args, logs / "stock.log") as stock:
-        answers = {"probe": _chat(stock, PROBE_SYSTEM, X)}
-        for name, image in DAMAGED.items():
-            answers[name] = _chat(stock, DAMAGE_SYSTEM, image)
+    stock = ServerProcess("sglang.launch_server", tiny_vlm, args, logs / "stock.log")
     a = ServerProcess("sgl_mmkv.launch_server", tiny_vlm, _mmkv_args(storage), logs / "a.log")
     files: dict[str, set[str]] = {}
     try:
-        a.start()
+        start_together([stock, a])
+        with stock:  # already started: stopped on leaving
+            answers = {"probe": _chat(stock, PROBE_SYSTEM, X)}
+            for name, image in DAMAGED.items():
+                answers[name] = _chat(stock, DAMAGE_SYSTEM, image)
         a_before = _storage(a)  # after SGLang's warm-up request
         a_store_before = mmkv_stats(a.base_url)["store"]
         seen: set[str] = _entries(storage)
@@ -172,7 +174,8 @@ def shared(tiny_vlm, tmp_path_factory) -> dict:
             seen |= files[name]
         a_stats = mmkv_stats(a.base_url)
     finally:
-        a.stop()  # by PID, the whole process tree
+        for server in (stock, a):
+            server.stop()  # by PID, the whole process tree
     assert a.process.poll() is not None
     return {
         "stock": answers,

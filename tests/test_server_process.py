@@ -1,5 +1,6 @@
 """ServerProcess starts again on a new port when its chosen port is taken before it binds;
-it fails its test on a fallback it was not told to expect; ServerPool bounds how many run."""
+it fails its test on a fallback it was not told to expect; ServerPool bounds how many run;
+start_together starts servers at once and stops them all when one fails."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sgl_mmkv.testing.server import (
     ServerPool,
     ServerProcess,
     UnexpectedFallback,
+    start_together,
 )
 
 FAKE_SERVER = """
@@ -136,3 +138,26 @@ def test_a_server_pool_keeps_at_most_max_alive_up_least_recently_used_out(
     finally:
         pool.close()
     assert running() == [] and len(pool) == 3
+
+
+def test_start_together_starts_every_server_and_stops_all_when_one_fails(tmp_path, fake_server_env):
+    good = [
+        ServerProcess("fake_server", "m", env=fake_server_env, log_path=tmp_path / f"g{i}")
+        for i in range(2)
+    ]
+    try:
+        start_together(good, timeout_s=30)
+        for server in good:
+            assert requests.get(server.base_url + "/health", timeout=5).status_code == 200
+    finally:
+        for server in good:
+            server.stop()
+    assert all(server.process.poll() is not None for server in good)
+    # "no_such_module" exits at once: its start fails, and the good one is stopped too.
+    mixed = [
+        ServerProcess("fake_server", "m", env=fake_server_env, log_path=tmp_path / "ok"),
+        ServerProcess("no_such_module", "m", env=fake_server_env, log_path=tmp_path / "bad"),
+    ]
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        start_together(mixed, timeout_s=30)
+    assert all(server.process.poll() is not None for server in mixed)
