@@ -25,6 +25,7 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
+    start_together,
 )
 
 # architecture -> (conftest fixture building its tiny checkpoint, first-token top
@@ -127,10 +128,33 @@ def arch(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stock(arch) -> dict:
+def servers(arch):
+    """The architecture's stock, exact and conduit servers, started together (their
+    start-ups overlap); each test stops the one it no longer needs."""
+    _, model, logs = arch
+    conduit = ["--mm-reuse", "conduit", "--mm-refresh-budget", "1.0", "--mm-reuse-gate", "always"]
+    started = {
+        "stock": _serve("sglang.launch_server", model, [], logs / "stock.log"),
+        "exact": _serve(
+            "sgl_mmkv.launch_server", model, ["--mm-reuse", "exact"], logs / "exact.log"
+        ),
+        "conduit": _serve(
+            "sgl_mmkv.launch_server", model, [*conduit, REPORT_REUSE], logs / "conduit.log"
+        ),
+    }
+    try:
+        start_together(list(started.values()))
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def stock(arch, servers) -> dict:
     """Stock SGLang: the parity sequence, then each scenario's probe alone."""
-    name, model, logs = arch
-    with _serve("sglang.launch_server", model, [], logs / "stock.log") as server:
+    name, _, _ = arch
+    with servers["stock"] as server:  # already started: stopped on leaving
         client = _client(server)
         sequence = [_chat(client, messages) for _, messages in SEQUENCE]
         probes = {}
@@ -141,11 +165,9 @@ def stock(arch) -> dict:
 
 
 @pytest.fixture(scope="module")
-def conduit(arch):
-    _, model, logs = arch
-    args = ["--mm-reuse", "conduit", "--mm-refresh-budget", "1.0", "--mm-reuse-gate", "always"]
-    with _serve("sgl_mmkv.launch_server", model, [*args, REPORT_REUSE], logs / "conduit.log") as s:
-        yield s
+def conduit(servers):
+    with servers["conduit"] as server:  # already started: stopped on leaving
+        yield server
 
 
 def _image_tokens(stock: dict) -> int:
@@ -170,9 +192,8 @@ def test_stock_serves_the_architecture_on_the_cpu(stock):
     assert all(len(r["tokens"]) == 8 for r in stock["sequence"])
 
 
-def test_exact_equals_stock(stock, arch):
-    _, model, logs = arch
-    with _serve("sgl_mmkv.launch_server", model, ["--mm-reuse", "exact"], logs / "exact.log") as s:
+def test_exact_equals_stock(stock, servers):
+    with servers["exact"] as s:  # already started: stopped on leaving
         ours = [_chat(_client(s), messages) for _, messages in SEQUENCE]
     for (name, _), want, got in zip(SEQUENCE, stock["sequence"], ours, strict=True):
         assert got == want, name

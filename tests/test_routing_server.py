@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -25,7 +24,13 @@ from transformers import AutoProcessor
 from sgl_mmkv.routing import ROUTING_KEY_HEADER, affinity_headers
 from sgl_mmkv.testing.images import make_image, png_bytes, user_message
 from sgl_mmkv.testing.router import GatewayProcess, RouterProcess, router_available
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    REPORT_REUSE,
+    ServerProcess,
+    mmkv_stats,
+    start_together,
+)
 
 pytestmark = pytest.mark.skipif(
     not router_available(),
@@ -52,8 +57,7 @@ def workers(tiny_vlm, tmp_path_factory):
         for name in ("a", "b")
     ]
     try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.start(), servers))
+        start_together(servers)
         yield servers, logs
     finally:
         for server in servers:
