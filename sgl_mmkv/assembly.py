@@ -19,6 +19,7 @@ from sgl_mmkv.refresh.ranker import VisualRanker, extend_image_spans, fill_spans
 from sgl_mmkv.refresh.row_compaction import RowCompactor
 from sgl_mmkv.refresh.runtime import MMKVRuntime
 from sgl_mmkv.scoring import make_eviction_scorer, make_refresh_scorer
+from sgl_mmkv.segments.storage import GIB
 from sgl_mmkv.segments.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def assemble_runtime(
         kv_pool,
         compress,
         _storage(config, kv_pool, identity, embeds),
-        embeddings_max_bytes=int(config.mm_embeddings_max_gib * 2**30),
+        embeddings_max_bytes=int(config.mm_embeddings_max_gib * GIB),
     )
     ranker, compactor = None, None
     if config.uses_scored_eviction:

@@ -112,7 +112,8 @@ class StoreCounters(Counters):
     canonical_skipped: int = 0
     embeddings_loaded: int = 0  # segments loaded from L3 with their image embeddings
     embeddings_dropped: int = 0  # embeddings let go to keep embeddings_max_bytes
-    embeddings_gained: int = 0  # attached to a segment that had none (written again)
+    # attached to a segment that had none (its entry written again, unless compressed since)
+    embeddings_gained: int = 0
     # images of extend forwards whose embeddings came from a segment (vision tower
     # skipped), and images the vision tower encoded (refresh/segment_embeddings.py)
     vision_skipped: int = 0

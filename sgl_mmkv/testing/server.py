@@ -227,10 +227,8 @@ class ServerProcess:
                 child.terminate()
         _, alive = psutil.wait_procs(children, timeout=timeout_s)
         for proc in alive:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
-            except psutil.NoSuchProcess:
-                pass
         psutil.wait_procs(alive, timeout=5)
         self.process.wait(timeout=5)
 
