@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
 
 import psutil
-import requests
+from profile_reuse import one_token_meta
 
 from harness import workloads as wl
 from harness.client import run_requests
@@ -102,17 +102,9 @@ def _scheduler_pid(launcher_pid: int) -> int:
     raise RuntimeError("no scheduler process under the server")
 
 
-def _chat(base_url: str, request: wl.BenchRequest) -> dict:
-    body = {
-        "model": "default",
-        "messages": request.messages,
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "return_meta_info": True,
-    }
-    response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=3600)
-    response.raise_for_status()
-    meta = response.json()["choices"][0]["meta_info"]
+def _tokens(base_url: str, request: wl.BenchRequest) -> dict:
+    """Send ``request`` (one output token); its token counts from the meta info."""
+    meta, _ = one_token_meta(base_url, request)
     facts = (meta.get("sgl_mmkv") or [{}])[0]
     return {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]} | {
         k: v for k, v in facts.items() if k.endswith("_tokens")
@@ -125,7 +117,7 @@ def profile_side(name: str, args, model: Path, shared: list[str]) -> dict:
     with side.process:
         run_requests(side.base_url, wl.pool_warmup(args.pool_size, args.image_size), 1, 1)
         batch = wl.doc_qa(args.num_requests + 1, args.images, args.pool_size, args.image_size, 7)
-        _chat(side.base_url, batch[0])
+        one_token_meta(side.base_url, batch[0])
         spy = subprocess.Popen(
             ["py-spy", "record", "--pid", str(_scheduler_pid(side.process.pid))]
             + ["--rate", str(args.rate), "--format", "raw", "--nonblocking", "-o", str(raw)],
@@ -134,7 +126,7 @@ def profile_side(name: str, args, model: Path, shared: list[str]) -> dict:
         )
         time.sleep(1.0)  # attached
         started = time.perf_counter()
-        tokens = [_chat(side.base_url, request) for request in batch[1:]]
+        tokens = [_tokens(side.base_url, request) for request in batch[1:]]
         seconds = (time.perf_counter() - started) / args.num_requests
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
         spy.wait(timeout=60)

@@ -88,7 +88,8 @@ def executor_phases(before: dict, after: dict) -> dict[str, float]:
     return phases
 
 
-def _chat(base_url: str, request: wl.BenchRequest) -> tuple[dict, float]:
+def one_token_meta(base_url: str, request: wl.BenchRequest) -> tuple[dict, float]:
+    """One greedy output token of ``request``: its meta info and the client's seconds."""
     body = {
         "model": "default",
         "messages": request.messages,
@@ -116,7 +117,7 @@ def profile_side(name: str, args, model: Path, shared: list[str]) -> dict[int, l
             rows[k] = []
             for request in wl.doc_qa(args.num_requests, k, args.pool_size, args.image_size, 7):
                 before = side.mmkv_stats().get("refresh", {})
-                meta, seconds = _chat(side.base_url, request)
+                meta, seconds = one_token_meta(side.base_url, request)
                 row = stages(meta, seconds)
                 if name != STOCK:
                     row |= executor_phases(before, side.mmkv_stats().get("refresh", {}))

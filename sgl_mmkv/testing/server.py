@@ -262,7 +262,7 @@ def start_together(servers: Sequence[ServerProcess], timeout_s: float = 240.0) -
     is stopped and the first error raised."""
     with ThreadPoolExecutor(len(servers)) as pool:
         futures = [pool.submit(server.start, timeout_s) for server in servers]
-    errors = [future.exception() for future in futures if future.exception() is not None]
+    errors = [error for future in futures if (error := future.exception()) is not None]
     if errors:
         for server in servers:
             server.stop()
