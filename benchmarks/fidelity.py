@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
 
 from harness.conduit_ablations import (
-    LABEL_PREFIX,
     ablation_knobs,
     ablation_label,
     scorer_args,
@@ -39,9 +38,9 @@ from harness.fidelity import (
 )
 from harness.fidelity_summary import ScenarioSummary, format_table, summarise, to_json
 from harness.fidelity_task import model_split
-from sgl_mmkv.config import CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
+from sgl_mmkv.config import ADAPTIVE_SCORERS, CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
-from sgl_mmkv.scoring import REFRESH_SCORERS
+from sgl_mmkv.scoring import AUTO_BUDGET, REFRESH_SCORERS
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
@@ -83,13 +82,15 @@ def decode_compression_server_for(
 def server_for(
     mode: str,
     model: Path,
-    budget: float | None,
+    budget: float | str | None,
     log_dir: Path,
     segment_fill: str = "first",
     ablation: str | None = None,
+    knobs: str = "",
 ) -> ServerProcess:
-    """The server of ``mode`` at ``budget``; ``ablation``: a CONDUIT ablation's name
-    (``mode`` is then ``conduit``, with that ablation's scorer knobs)."""
+    """The server of ``mode`` at ``budget`` (a fraction or ``auto``); ``ablation``: a
+    CONDUIT ablation's name (``mode`` is then ``conduit``, with that ablation's scorer
+    knobs); ``knobs``: otherwise, the scorer's knobs as a JSON object."""
     if mode == "stock":
         return ServerProcess(
             "sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log_dir / "stock.log"
@@ -99,11 +100,22 @@ def server_for(
         extra += ["--mm-refresh-budget", str(budget)]
     if ablation is not None:
         extra += ["--mm-refresh-scorer-args", scorer_args(ablation)]
+    elif knobs and mode in BUDGETED_MODES:
+        extra += ["--mm-refresh-scorer-args", knobs]
     if mode not in CACHE_ONLY_MODES:
         extra += ["--mm-segment-fill", segment_fill, *MEASURE_EVERY_MATCH]
     name = ablation_label(ablation) if ablation is not None else mode
     name += f"_{budget}" if budget is not None else ""
     return mmkv_server(extra, model, log_dir / f"{name}.log")
+
+
+def budgets_of(mode: str, budgets: list[float | str]) -> list[float | str | None]:
+    """The budgets ``mode`` runs at: every one for a budgeted mode (``auto`` only where
+    its scorer sizes budgets), else its single configuration."""
+    if mode not in BUDGETED_MODES:
+        return [UNBUDGETED_REFRESH.get(mode)]
+    adapts = mode in ADAPTIVE_SCORERS
+    return [b for b in budgets if b != AUTO_BUDGET or adapts]
 
 
 def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
@@ -132,6 +144,15 @@ def machine_description() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
 
 
+def _x(summary: ScenarioSummary) -> float:
+    """Where a summary is drawn: its budget; at ``auto``, the share of reused image
+    tokens it refreshed."""
+    if summary.budget != AUTO_BUDGET:
+        return summary.budget
+    reused = summary.mean_reused_tokens
+    return summary.mean_refreshed_tokens / reused if reused > 0 else 0.0
+
+
 def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> None:
     import matplotlib
 
@@ -145,9 +166,10 @@ def plot(summaries: list[ScenarioSummary], budgets: list[float], path: Path) -> 
         ends = {s.mode: s for s in rows if s.mode in UNBUDGETED_REFRESH}
         for i, mode in enumerate(dict.fromkeys(s.mode for s in rows)):
             mine = [s for s in rows if s.mode == mode]
-            refresh = mode in BUDGETED_MODES or mode.startswith(LABEL_PREFIX)
+            refresh = mode not in UNBUDGETED_REFRESH and mine[0].budget is not None
+            refresh = refresh and not mode.startswith(("kv:", "decode:"))
             if refresh or mode.startswith(("kv:", "decode:")):
-                points = [(s.budget, s) for s in mine]
+                points = [(_x(s), s) for s in mine]
                 if refresh:
                     points += [(UNBUDGETED_REFRESH[m], e) for m, e in ends.items()]
                 points.sort(key=lambda point: point[0])
@@ -199,7 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="probes measured at once (their images differ; see fidelity.measure)",
     )
-    parser.add_argument("--budgets", default="0.05,0.1,0.2", help="for budgeted modes")
+    parser.add_argument(
+        "--budgets",
+        default="0.05,0.1,0.2",
+        help=f"for budgeted modes; {AUTO_BUDGET}: each request's own, for the modes that "
+        f"size it ({', '.join(ADAPTIVE_SCORERS)})",
+    )
+    parser.add_argument(
+        "--scorer-args",
+        default="",
+        help="JSON object of knobs for every budgeted mode's scorer (--mm-refresh-scorer-args)",
+    )
+    parser.add_argument(
+        "--label", default="", help="appended to the budgeted modes' names (e.g. a knob setting)"
+    )
     parser.add_argument(
         "--conduit-ablations",
         default="",
@@ -238,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
-    budgets = [float(b) for b in args.budgets.split(",") if b]
+    budgets = [b if b == AUTO_BUDGET else float(b) for b in args.budgets.split(",") if b]
     ablations = [a for a in args.conduit_ablations.split(",") if a]
     for name in ablations:
         try:
@@ -253,13 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     records = {}
     started = time.monotonic()
     for mode in modes:
-        for budget in budgets if mode in BUDGETED_MODES else [UNBUDGETED_REFRESH.get(mode)]:
-            label = mode if budget is None else f"{mode}@{budget}"
-            server = server_for(mode, args.model_path, budget, args.out_dir, args.segment_fill)
+        for budget in budgets_of(mode, budgets):
+            name = mode + args.label if mode in BUDGETED_MODES else mode
+            label = name if budget is None else f"{name}@{budget}"
+            server = server_for(
+                mode, args.model_path, budget, args.out_dir, args.segment_fill, None,
+                args.scorer_args,
+            )  # fmt: skip
             records[label], _ = measure_on(
                 server, label, layout, examples, scenarios, concurrency=args.concurrency
             )
-            summaries += summarise(mode, records[label], budget)
+            summaries += summarise(name, records[label], budget)
     for name in ablations:
         mode = ablation_label(name)
         for budget in budgets:

@@ -97,6 +97,9 @@ class ProbeRecord:
     probe_latency_s: float
     probe_reused_tokens: float = 0
     probe_refreshed_tokens: float = 0
+    # the probes' executed FLOPs over their extends' full-prefill FLOPs (server
+    # counters over the probe's chunk; 1.0 on a server without them)
+    probe_flops_fraction: float = 1.0
 
 
 def kl_from_top_logprobs(reference: dict[str, float], probe: dict[str, float]) -> float:
@@ -315,6 +318,9 @@ def _measure_chunk(client, references, layout, chunk, pool) -> list[ProbeRecord]
     after = client.refresh_counters()
     reused = (after.get("reused_tokens", 0) - before.get("reused_tokens", 0)) / len(chunk)
     refreshed = (after.get("refreshed_tokens", 0) - before.get("refreshed_tokens", 0)) / len(chunk)
+    full_flops = after.get("full_prefill_flops", 0) - before.get("full_prefill_flops", 0)
+    executed = after.get("executed_flops", 0) - before.get("executed_flops", 0)
+    flops_fraction = executed / full_flops if full_flops > 0 else 1.0
     records = []
     for (example, scenario), reference, probe in zip(chunk, reference_replies, probes, strict=True):
         image_mask = layout.image_mask(
@@ -349,6 +355,7 @@ def _measure_chunk(client, references, layout, chunk, pool) -> list[ProbeRecord]
                 probe_latency_s=probe.latency_s,
                 probe_reused_tokens=reused,
                 probe_refreshed_tokens=refreshed,
+                probe_flops_fraction=flops_fraction,
             )
         )
     return records

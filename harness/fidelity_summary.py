@@ -12,7 +12,7 @@ from harness.fidelity import ProbeRecord
 @dataclass(slots=True)
 class ScenarioSummary:
     mode: str
-    budget: float | None
+    budget: float | str | None  # a fraction, "auto", or None (unbudgeted)
     scenario: str
     n: int
     full_prefill_accuracy: float
@@ -27,6 +27,7 @@ class ScenarioSummary:
     mean_reused_tokens: float
     mean_refreshed_tokens: float
     mean_probe_latency_s: float
+    mean_flops_fraction: float  # executed / full-prefill FLOPs of the probes' extends
     per_qtype_accuracy: dict[str, float] = field(default_factory=dict)
     # 95 % paired bootstrap intervals (:func:`~harness.bootstrap.paired_intervals`)
     accuracy_ci: tuple[float, float] = (float("nan"), float("nan"))
@@ -67,6 +68,7 @@ def summarise(
                 mean_reused_tokens=_mean([r.probe_reused_tokens for r in rs]),
                 mean_refreshed_tokens=_mean([r.probe_refreshed_tokens for r in rs]),
                 mean_probe_latency_s=_mean([r.probe_latency_s for r in rs]),
+                mean_flops_fraction=_mean([r.probe_flops_fraction for r in rs]),
                 per_qtype_accuracy={
                     q: _mean([float(r.probe_correct) for r in rs if r.qtype == q]) for q in qtypes
                 },
@@ -83,11 +85,13 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
         f"{'acc 95% CI':>13} {'rel acc':>7} {'rel 95% CI':>13} {'1st agree':>9} "
         f"{'reply agree':>11} {'KL':>8} {'prompt':>7} "
         f"{'cached':>7} "
-        f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'latency s':>9}"
+        f"{'img cached':>10} {'reused':>7} {'refreshed':>9} {'FLOPs':>6} {'latency s':>9}"
     )
     lines = [header, "-" * len(header)]
     for s in summaries:
-        budget = "-" if s.budget is None else f"{s.budget:g}"
+        budget = (
+            "-" if s.budget is None else s.budget if isinstance(s.budget, str) else f"{s.budget:g}"
+        )
         lines.append(
             f"{s.mode:<13} {budget:>6} {s.scenario:<15} {s.n:>4} {s.full_prefill_accuracy:>8.3f} "
             f"{s.accuracy:>6.3f} {_interval(s.accuracy_ci):>13} {s.relative_accuracy:>7.3f} "
@@ -96,7 +100,7 @@ def format_table(summaries: list[ScenarioSummary]) -> str:
             f"{s.mean_prompt_tokens:>7.1f} {s.mean_cached_tokens:>7.1f} "
             f"{s.mean_cached_image_tokens:>10.1f} "
             f"{s.mean_reused_tokens:>7.1f} {s.mean_refreshed_tokens:>9.1f} "
-            f"{s.mean_probe_latency_s:>9.3f}"
+            f"{s.mean_flops_fraction:>6.3f} {s.mean_probe_latency_s:>9.3f}"
         )
     return "\n".join(lines)
 

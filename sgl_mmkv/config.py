@@ -8,11 +8,18 @@ it back in each process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from sgl_mmkv.scoring import EVICTION_SCORERS, REFRESH_SCORERS, make_refresh_scorer
+from sgl_mmkv.scoring import (
+    AUTO_BUDGET,
+    EVICTION_SCORERS,
+    REFRESH_SCORERS,
+    RefreshBudget,
+    make_refresh_scorer,
+)
 from sgl_mmkv.scoring.knobs import json_object, parse_knobs, scorer_knobs
 
 CONFIG_ENV = "MMKV_SGLANG_CONFIG"
@@ -26,6 +33,8 @@ REUSE_MODES: dict[str, str] = {
 CACHE_ONLY_MODES: tuple[str, ...] = ("off", "exact")
 
 DEFAULT_REFRESH_BUDGET = 0.1
+# The --mm-reuse scorers that take --mm-refresh-budget auto.
+ADAPTIVE_SCORERS: tuple[str, ...] = tuple(n for n, c in REFRESH_SCORERS.items() if c.adapts_budget)
 # How a new image's KV enters the segment store (refresh modes).
 SEGMENT_FILL_POLICIES: dict[str, str] = {
     "first": "copied from the first request that shows the image (its context included)",
@@ -79,10 +88,31 @@ class ConfigError(ValueError):
     """A flag value sgl_mmkv cannot run with; the message says which and why."""
 
 
-def _flag(default, help: str, choices: dict[str, str] | None = None, metavar: str | None = None):
+def _flag(
+    default,
+    help: str,
+    choices: dict[str, str] | None = None,
+    metavar: str | None = None,
+    parse=None,
+):
     """A config field that is also a launcher flag (``mm_kv_budget`` -> ``--mm-kv-budget``);
-    the launcher builds its parser from these fields."""
-    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+    the launcher builds its parser from these fields (``parse``: the flag's argparse
+    type; default the type of ``default``)."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "parse": parse}
+    return field(default=default, metadata=metadata)
+
+
+def parse_refresh_budget(text: str) -> RefreshBudget:
+    """``--mm-refresh-budget``'s value: ``auto``, else a number (range checked by the
+    config)."""
+    if text == AUTO_BUDGET:
+        return AUTO_BUDGET
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in [0, 1] or {AUTO_BUDGET}, got {text!r}"
+        ) from None
 
 
 def flag_name(field_name: str) -> str:
@@ -107,7 +137,8 @@ class MMKVConfig:
     Attributes:
         mm_reuse: one of :data:`REUSE_MODES`.
         mm_refresh_budget: fraction of reused image tokens recomputed, in [0, 1]
-            (0 recomputes only the text, as ``reuse``).
+            (0 recomputes only the text, as ``reuse``), or ``auto``: each request's,
+            sized by a scorer that measures staleness (``staleprobe``).
         mm_refresh_scorer_args: JSON object of the ``--mm-reuse`` scorer's knobs
             (empty: its defaults), e.g. ``{"use_value_norm": false}`` for an ablation.
         mm_segment_fill: one of :data:`SEGMENT_FILL_POLICIES`.
@@ -137,8 +168,13 @@ class MMKVConfig:
     """
 
     mm_reuse: str = _flag("off", "image KV reuse mode", REUSE_MODES)
-    mm_refresh_budget: float = _flag(
-        DEFAULT_REFRESH_BUDGET, "fraction of reused image tokens recomputed, in [0, 1]"
+    mm_refresh_budget: RefreshBudget = _flag(
+        DEFAULT_REFRESH_BUDGET,
+        f"fraction of reused image tokens recomputed, in [0, 1], or {AUTO_BUDGET}: each "
+        "request's own, from how stale its scoring pass finds its images "
+        f"(--mm-reuse {', '.join(ADAPTIVE_SCORERS)})",
+        metavar="{R," + AUTO_BUDGET + "}",
+        parse=parse_refresh_budget,
     )
     mm_refresh_scorer_args: str = _flag(
         "",
@@ -225,8 +261,16 @@ class MMKVConfig:
     def __post_init__(self) -> None:
         _require_choice("--mm-reuse", self.mm_reuse, REUSE_MODES)
         budget = self.mm_refresh_budget
-        if not (_is_real(budget) and 0.0 <= budget <= 1.0):
-            raise ConfigError(f"--mm-refresh-budget must be in [0, 1], got {budget!r}")
+        if budget == AUTO_BUDGET:
+            if self.mm_reuse not in ADAPTIVE_SCORERS:
+                raise ConfigError(
+                    f"--mm-refresh-budget {AUTO_BUDGET} needs a --mm-reuse that measures "
+                    f"staleness ({', '.join(ADAPTIVE_SCORERS)}), not {self.mm_reuse}"
+                )
+        elif not (_is_real(budget) and 0.0 <= budget <= 1.0):
+            raise ConfigError(
+                f"--mm-refresh-budget must be in [0, 1] or {AUTO_BUDGET}, got {budget!r}"
+            )
         self._check_scorer_args()
         _require_choice("--mm-segment-fill", self.mm_segment_fill, SEGMENT_FILL_POLICIES)
         if self.mm_segment_fill != DEFAULT_SEGMENT_FILL and not self.uses_refresh:

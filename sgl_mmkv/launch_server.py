@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(
                 flag,
-                type=type(spec.default),
+                type=spec.metadata.get("parse") or type(spec.default),
                 default=spec.default,
                 metavar=spec.metadata.get("metavar") or "R",
                 help=f"{what} (default %(default)s)",

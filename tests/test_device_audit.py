@@ -380,6 +380,28 @@ def test_staleprobe_ranks_its_probes_on_the_device_without_a_sync():
     torch.testing.assert_close(host(ranking), expected_ranking, rtol=0, atol=0)
 
 
+def test_staleprobe_sizes_an_auto_budget_on_the_device_with_one_sync():
+    """At ``auto`` the request's count of chosen tokens is known only on the device: the
+    selection waits for it once (the mask's size), with 2 layers as with 4, and equals
+    the host's."""
+    scorer = REFRESH_SCORERS["staleprobe"](auto_threshold=0.3, auto_fraction=0.5)
+    syncs = []
+    for layers in (2, 4):
+        probed = replace(
+            scoring_inputs(layers),
+            probe_positions=torch.tensor([8, 17]),
+            probe_deviation=torch.tensor([[0.2, 1.0], [0.3, 2.0]]).repeat(layers // 2, 1),
+        )
+        expected = scorer.select(probed, "auto")
+        assert 0 < expected.numel() < probed.num_visual
+        with DeviceAudit() as audit:
+            selection = scorer.select(inputs_on_device(probed), "auto")
+        assert_on_device(selection)
+        assert torch.equal(host(selection), expected)
+        syncs.append(len(audit.syncs))
+    assert syncs == [1, 1]
+
+
 def test_per_layer_sync_exceptions_name_registered_scorers():
     assert set(PER_LAYER_SYNCS) <= set(REFRESH_SCORERS) | set(EVICTION_SCORERS)
 

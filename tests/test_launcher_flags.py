@@ -37,6 +37,12 @@ def test_budget_is_parsed():
     assert config.mm_refresh_budget == 0.25
 
 
+def test_auto_budget_is_parsed_for_a_scorer_that_measures_staleness():
+    config, argv = resolve_args(["--mm-reuse", "staleprobe", "--mm-refresh-budget", "auto"])
+    assert config.mm_refresh_budget == "auto" and "--mm-refresh-budget" not in argv
+    assert MMKVConfig.from_json(config.to_json()) == config
+
+
 def test_scorer_args_reach_the_scorer_and_are_off_by_default():
     knobs = '{"use_value_norm": false, "query_span": "last_text", "layers": [3, 1]}'
     config, argv = resolve_args(["--mm-reuse", "conduit", "--mm-refresh-scorer-args", knobs])
@@ -56,9 +62,28 @@ def test_scorer_args_reach_the_scorer_and_are_off_by_default():
     "argv, message",
     [
         (["--mm-reuse", "bogus"], "--mm-reuse 'bogus' is unknown"),
-        (["--mm-refresh-budget", "-0.1"], r"--mm-refresh-budget must be in \[0, 1\], got -0.1"),
-        (["--mm-refresh-budget", "1.01"], r"must be in \[0, 1\], got 1.01"),
-        (["--mm-refresh-budget", "nan"], r"must be in \[0, 1\], got nan"),
+        (
+            ["--mm-refresh-budget", "-0.1"],
+            r"--mm-refresh-budget must be in \[0, 1\] or auto, got -0.1",
+        ),
+        (["--mm-refresh-budget", "1.01"], r"must be in \[0, 1\] or auto, got 1.01"),
+        (["--mm-refresh-budget", "nan"], r"must be in \[0, 1\] or auto, got nan"),
+        (
+            ["--mm-reuse", "conduit", "--mm-refresh-budget", "auto"],
+            r"--mm-refresh-budget auto needs a --mm-reuse that measures staleness "
+            r"\(staleprobe\), not conduit",
+        ),
+        (
+            [
+                "--mm-reuse",
+                "staleprobe",
+                "--mm-refresh-budget",
+                "auto",
+                "--mm-refresh-scorer-args",
+                '{"auto_fraction": 2.0}',
+            ],
+            "auto_fraction must be in",
+        ),  # fmt: skip
         (["--mm-reuse", "conduit", "--page-size", "16"], "needs --page-size 1"),
         (
             ["--mm-reuse", "exact", "--radix-cache-backend", "flexkv"],
@@ -223,8 +248,8 @@ def test_plugin_allow_list_must_include_us(monkeypatch):
     "flags, message",
     [
         (["--mm-reuse", "bogus"], "--mm-reuse 'bogus' is unknown; choose one of off, exact"),
-        (["--mm-refresh-budget", "2"], "--mm-refresh-budget must be in [0, 1], got 2.0"),
-        (["--mm-refresh-budget", "abc"], "invalid float value: 'abc'"),
+        (["--mm-refresh-budget", "2"], "--mm-refresh-budget must be in [0, 1] or auto, got 2.0"),
+        (["--mm-refresh-budget", "abc"], "must be a number in [0, 1] or auto, got 'abc'"),
     ],
 )
 def test_cli_exits_2_with_clear_message(flags, message):

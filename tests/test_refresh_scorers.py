@@ -297,6 +297,74 @@ def test_staleprobe_probes_moved_images_and_ranks_attention_by_staleness():
         make_refresh_scorer("staleprobe", stale_fraction=1.5)
 
 
+def _adaptive_reference(scorer, inputs) -> list[int]:
+    """``select_adaptive`` by a loop over images: ``ceil(fraction * n_j)`` tokens of each
+    image whose per-layer mean probe deviation reaches the threshold, its probe first,
+    then by ``alpha * z``."""
+    layers = inputs.probe_deviation.shape[0]
+    z = [0.0] * len(inputs.image_spans)
+    for position, column in zip(
+        inputs.probe_positions.tolist(), inputs.probe_deviation.T, strict=True
+    ):
+        image = next(i for i, (s, e) in enumerate(inputs.image_spans) if s <= position < e)
+        z[image] += float(column.sum())
+    scores = scorer.score(inputs).tolist()
+    chosen, offset = [], 0
+    for (start, end), z_j in zip(inputs.image_spans, z, strict=True):
+        probed = any(start <= p < end for p in inputs.probe_positions.tolist())
+        if probed and z_j / layers >= scorer.auto_threshold:
+            quota = math.ceil(scorer.auto_fraction * (end - start) - 1e-9)
+            probes = [p for p in inputs.probe_positions.tolist() if start <= p < end]
+            rest = sorted(
+                (p for p in range(start, end) if p not in probes),
+                key=lambda p: -scores[offset + p - start],
+            )
+            chosen += (probes + rest)[:quota]
+        offset += end - start
+    return sorted(chosen)
+
+
+def test_staleprobe_auto_refreshes_a_share_of_each_image_its_probe_finds_stale():
+    """At ``auto``: an image is stale when its probe's deviation averaged over layers
+    reaches ``auto_threshold``; ``ceil(auto_fraction * n_j)`` of a stale image's tokens
+    are refreshed (its probe, then the highest scores), none of a fresh or unprobed
+    image; the count is the request's own. Matches a loop over images."""
+    inputs = make_inputs(seed=13)  # images (5, 21), (24, 40), (43, 59): 16 tokens each
+    deviation = torch.tensor([[0.1, 0.9, 0.5], [0.1, 0.7, 0.3]])  # per-layer means .1 .8 .4
+    probed = replace(inputs, probe_positions=torch.tensor([13, 32, 51]), probe_deviation=deviation)
+    scorer = make_refresh_scorer("staleprobe", auto_threshold=0.3, auto_fraction=0.25)
+    assert scorer.adapts_budget and scorer.budget_bound(0.1, (3, 4), (16, 16)) == 0.1
+    # the cost gate's bound: a quarter of each image it would probe (the first, and
+    # each shifted unlike its predecessor), none of the others
+    assert scorer.budget_bound("auto", (3, 3, 7), (16, 16, 16)) == 8 / 48
+    assert scorer.budget_bound("auto", (3, 4, 5), (16, 16, 16)) == 12 / 48
+    assert scorer.budget_bound("auto") == 0.25
+    chosen = scorer.select(probed, "auto")
+    assert chosen.tolist() == _adaptive_reference(scorer, probed)
+    assert chosen.numel() == 8  # 4 of image 1, 4 of image 2; image 0 is fresh
+    assert {32, 51} <= set(chosen.tolist()) and not ((chosen >= 5) & (chosen < 21)).any()
+    strict = make_refresh_scorer("staleprobe", auto_threshold=0.5, auto_fraction=0.5)
+    assert strict.select(probed, "auto").tolist() == _adaptive_reference(strict, probed)
+    assert strict.select(probed, "auto").numel() == 8  # image 1 alone, half of it
+    everything = make_refresh_scorer("staleprobe", auto_threshold=0.0, auto_fraction=1.0)
+    assert everything.select(probed, "auto").tolist() == list(range(5, 21)) + list(
+        range(24, 40)
+    ) + list(range(43, 59))
+    first_only = replace(
+        probed, probe_positions=torch.tensor([13]), probe_deviation=deviation[:, :1]
+    )
+    assert everything.select(first_only, "auto").tolist() == list(range(5, 21))  # unprobed: kept
+    fresh = make_refresh_scorer("staleprobe", auto_threshold=0.9)
+    assert fresh.select(probed, "auto").numel() == 0  # every probe came back fresh
+    assert fresh.select(inputs, "auto").numel() == 0  # no probes: nothing known stale
+    with pytest.raises(ValueError, match="auto_fraction"):
+        make_refresh_scorer("staleprobe", auto_fraction=1.5)
+    with pytest.raises(ValueError, match="auto_threshold"):
+        make_refresh_scorer("staleprobe", auto_threshold=-1.0)
+    with pytest.raises(ValueError, match="does not size its budget"):
+        make_refresh_scorer("conduit").select(inputs, "auto")
+
+
 def test_random_depends_on_its_seed_only():
     inputs = make_inputs()
     a = make_refresh_scorer("random", seed=1).select(inputs, 0.2)

@@ -332,3 +332,42 @@ def test_staleprobe_at_budget_one_reproduces_full_prefill(tiny_vlm, tmp_path_fac
         refreshed = after["refresh"]["refreshed_tokens"] - before["refresh"]["refreshed_tokens"]
         assert reused == refreshed == 3 * TOKENS_PER_IMAGE
         assert after["refresh"]["fallbacks"] == 0
+
+
+def test_staleprobe_auto_refreshes_the_images_its_probes_find_stale(tiny_vlm, tmp_path_factory):
+    """``--mm-refresh-budget auto`` at threshold 0 (every probed image stale) and
+    fraction 1: reordered images are all probed and refreshed in full, so the answer
+    is the full prefill's; images moved together under a new system prompt are probed
+    only at the first, so that image alone is refreshed (16 tokens of 48)."""
+    log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_staleprobe_auto.log"
+    knobs = '{"auto_threshold": 0.0, "auto_fraction": 1.0}'
+    args = _server_args(
+        "--mm-reuse", "staleprobe", "--mm-refresh-budget", "auto",
+        "--mm-refresh-scorer-args", knobs,
+    )  # fmt: skip
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log_path=log) as proc:
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
+        assert _stats(proc)["refresh_budget"] == "auto"
+        images = [make_image(850 + i) for i in range(3)]
+        counts = {}
+        for name, probe_messages in (
+            ("reordered", _conversation("Answer in one word.", images[::-1])),
+            ("moved together", _conversation("Answer in a few words.", images)),
+        ):
+            probe, cold, before, after = _cold_then_reused(proc, client, probe_messages, images)
+            if name == "reordered":
+                _assert_same(probe, cold)
+            counts[name] = {
+                key: after["refresh"][key] - before["refresh"][key]
+                for key in ("reused_tokens", "refreshed_tokens", "fallbacks")
+            }
+    assert counts["reordered"] == {
+        "reused_tokens": 3 * TOKENS_PER_IMAGE,
+        "refreshed_tokens": 3 * TOKENS_PER_IMAGE,
+        "fallbacks": 0,
+    }
+    assert counts["moved together"] == {
+        "reused_tokens": 3 * TOKENS_PER_IMAGE,
+        "refreshed_tokens": TOKENS_PER_IMAGE,
+        "fallbacks": 0,
+    }

@@ -28,7 +28,7 @@ from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.refresh.sub_batch import needs_every_row
-from sgl_mmkv.scoring import TokenScorer
+from sgl_mmkv.scoring import RefreshBudget, TokenScorer
 from sgl_mmkv.segments.store import SegmentStore
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class ExtendPlanner:
         self,
         store: SegmentStore,
         scorer: TokenScorer,
-        budget: float,
+        budget: RefreshBudget,
         gate: str,
         counters: RefreshCounters,
         compactor: RowCompactor | None = None,
@@ -116,4 +116,7 @@ class ExtendPlanner:
 
     def _too_costly(self, plan: RequestPlan) -> bool:
         full = self._shape.extend_flops(plan.prefix_len, plan.seq_len)
-        return reuse_flops(self._shape, plan, self.scorer, self.budget) >= full
+        deltas = tuple(span.delta for span in plan.spans)
+        sizes = tuple(int(span.reused_positions().numel()) for span in plan.spans)
+        bound = self.scorer.budget_bound(self.budget, deltas, sizes)
+        return reuse_flops(self._shape, plan, self.scorer, bound) >= full

@@ -29,7 +29,7 @@ from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.probes import ProbePass
 from sgl_mmkv.refresh.row_kv import row_kv, row_kv_at
-from sgl_mmkv.scoring import ScoringInputs, TokenScorer
+from sgl_mmkv.scoring import RefreshBudget, ScoringInputs, TokenScorer
 
 
 class TokenSelector:
@@ -40,7 +40,7 @@ class TokenSelector:
     counters: the executor's counters (``executed_flops``).
     """
 
-    def __init__(self, scorer: TokenScorer, budget: float, copier: SegmentCopier, counters):
+    def __init__(self, scorer: TokenScorer, budget: RefreshBudget, copier: SegmentCopier, counters):
         self.scorer = scorer
         self.budget = budget
         self.copier = copier

@@ -12,7 +12,14 @@ Both kinds are :class:`TokenScorer` s: higher scores mean more important.
 from __future__ import annotations
 
 from sgl_mmkv.scoring.aircache import AirCacheScorer
-from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer, budget_count, top_tokens
+from sgl_mmkv.scoring.base import (
+    AUTO_BUDGET,
+    RefreshBudget,
+    ScoringInputs,
+    TokenScorer,
+    budget_count,
+    top_tokens,
+)
 from sgl_mmkv.scoring.cacheblend import CacheBlendScorer
 from sgl_mmkv.scoring.conduit import ConduitScorer
 from sgl_mmkv.scoring.controls import (
@@ -64,8 +71,10 @@ def make_eviction_scorer(name: str, **knobs) -> TokenScorer:
 
 
 __all__ = [
+    "AUTO_BUDGET",
     "EVICTION_SCORERS",
     "REFRESH_SCORERS",
+    "RefreshBudget",
     "ScoringInputs",
     "TokenScorer",
     "budget_count",

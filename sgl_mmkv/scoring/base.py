@@ -197,6 +197,12 @@ def _on(x: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
     return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
+# --mm-refresh-budget auto: each request's budget picked by the scorer from what its
+# scoring pass measured (a scorer with ``adapts_budget``).
+AUTO_BUDGET = "auto"
+RefreshBudget = float | str  # a fraction in [0, 1], or AUTO_BUDGET
+
+
 def budget_count(budget: float, num_visual: int) -> int:
     """``ceil(r * N_v)`` tokens, as the CONDUIT paper's selection."""
     if not 0.0 <= budget <= 1.0:
@@ -225,6 +231,8 @@ class TokenScorer(ABC):
     # ``layer_statistics``). Position-only methods need neither.
     needs_attention: ClassVar[bool] = True
     needs_fresh_kv: ClassVar[bool] = False
+    # Whether ``select`` takes AUTO_BUDGET: the scorer sizes each request's budget.
+    adapts_budget: ClassVar[bool] = False
 
     @abstractmethod
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
@@ -266,8 +274,26 @@ class TokenScorer(ABC):
         budgets)."""
         return self.score(inputs)
 
-    def select(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
-        """Sorted ``(k,)`` row positions chosen: one global top-k of the ranking."""
+    def budget_bound(
+        self, budget: RefreshBudget, deltas: tuple[int, ...] = (), sizes: tuple[int, ...] = ()
+    ) -> float:
+        """The largest fraction of reused image tokens ``select`` refreshes at ``budget``
+        (the cost gate's estimate), for reused spans shifted by ``deltas`` holding
+        ``sizes`` reused tokens each."""
+        if budget == AUTO_BUDGET:
+            raise ValueError(f"{self.name} does not size its budget: give a fraction")
+        return budget
+
+    def select_adaptive(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Sorted ``(k,)`` row positions chosen at ``auto``, ``k`` the scorer's own (a
+        scorer with :attr:`adapts_budget`)."""
+        raise ValueError(f"{self.name} does not size its budget: give a fraction")
+
+    def select(self, inputs: ScoringInputs, budget: RefreshBudget) -> torch.Tensor:
+        """Sorted ``(k,)`` row positions chosen: one global top-k of the ranking; at
+        ``auto``, :meth:`select_adaptive`."""
+        if budget == AUTO_BUDGET:
+            return self.select_adaptive(inputs)
         k = budget_count(budget, inputs.num_visual)
         scores = self.ranking(inputs, budget)
         if scores.shape != (inputs.num_visual,):

@@ -4,14 +4,21 @@ stale."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from sgl_mmkv.scoring.base import ScoringInputs
+from sgl_mmkv.scoring.base import AUTO_BUDGET, RefreshBudget, ScoringInputs
 from sgl_mmkv.scoring.oracle import OracleScorer
 from sgl_mmkv.scoring.prophetkv import ProphetKVScorer
+
+# --mm-refresh-budget auto's defaults, calibrated on the committed staleness models
+# (docs/fidelity.md, "A budget that adapts"): a probe's K/V deviation from its fresh
+# K/V, per layer, relative to the fresh norm; and the share of a stale image refreshed.
+AUTO_THRESHOLD = 0.5
+AUTO_FRACTION = 1.0
 
 
 @dataclass
@@ -31,26 +38,86 @@ class StaleProbeScorer(ProphetKVScorer):
     found fresh keep the K/V of the scoring pass and are the probe's cost, outside
     ``k``.
 
-    Without probe inputs it ranks as ProphetKV."""
+    Without probe inputs it ranks as ProphetKV.
+
+    At ``--mm-refresh-budget auto`` each request gets the budget its probes ask for:
+    an image is stale when its ``z_j`` averaged over layers reaches ``auto_threshold``
+    (a fixed per-layer relative deviation, not a share of the request's largest),
+    and ``ceil(auto_fraction * n_j)`` of a stale image's ``n_j`` reused tokens are
+    refreshed, its probe first, then by ``alpha``; images found fresh, and those
+    not probed, refresh nothing. A request whose images all came back fresh pays
+    only for its probes."""
 
     name: ClassVar[str] = "staleprobe"
     summary: ClassVar[str] = (
         "this project's rule: attention mass inside the images a one-token probe finds stale"
     )
+    adapts_budget: ClassVar[bool] = True
     stale_fraction: float = 0.5
+    auto_threshold: float = AUTO_THRESHOLD
+    auto_fraction: float = AUTO_FRACTION
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.stale_fraction <= 1.0:
-            raise ValueError(
-                f"{self.name}: stale_fraction must be in [0, 1], got {self.stale_fraction}"
-            )
+        for knob in ("stale_fraction", "auto_fraction"):
+            value = getattr(self, knob)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{self.name}: {knob} must be in [0, 1], got {value}")
+        if not 0.0 <= self.auto_threshold < float("inf"):
+            raise ValueError(f"{self.name}: auto_threshold must be >= 0, got {self.auto_threshold}")
 
     def probe_spans(self, deltas: tuple[int, ...]) -> tuple[int, ...]:
         """The first span and every span shifted by another delta than the previous."""
         return tuple(i for i, d in enumerate(deltas) if i == 0 or d != deltas[i - 1])
 
     deviation = staticmethod(OracleScorer.deviation)
+
+    def budget_bound(
+        self, budget: RefreshBudget, deltas: tuple[int, ...] = (), sizes: tuple[int, ...] = ()
+    ) -> float:
+        """At ``auto``: ``auto_fraction`` of the images it probes (only those can be
+        found stale), as a share of the reused tokens; ``auto_fraction`` without spans."""
+        if budget != AUTO_BUDGET:
+            return budget
+        total = sum(sizes)
+        if not total:
+            return self.auto_fraction
+        probed = sum(
+            math.ceil(self.auto_fraction * sizes[i] - 1e-9) for i in self.probe_spans(deltas)
+        )
+        return min(1.0, probed / total)
+
+    def stale_images(self, inputs: ScoringInputs) -> torch.Tensor:
+        """``(num_images,)`` bool: the probed images whose probe's deviation, averaged
+        over layers, reaches ``auto_threshold`` (an image without a probe moved with its
+        predecessor: never stale)."""
+        if inputs.probe_positions is None or inputs.probe_deviation is None:
+            return torch.zeros(len(inputs.image_spans), dtype=torch.bool, device=inputs.device)
+        z, _, images = self.staleness(inputs)
+        probed = torch.zeros_like(z, dtype=torch.bool).index_fill(0, images, True)
+        return probed & (z / inputs.probe_deviation.shape[0] >= self.auto_threshold)
+
+    def select_adaptive(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Sorted ``(k,)`` row positions: ``ceil(auto_fraction * n_j)`` tokens of each
+        stale image ``j`` (its probe, then the highest ``alpha``); ``k`` is the
+        request's own. One device-side pass: tokens ordered by image, then by rank
+        within it; a token is kept while its rank is below its image's quota."""
+        stale = self.stale_images(inputs)
+        sizes = torch.tensor(
+            [e - s for s, e in inputs.image_spans], dtype=torch.long, device=inputs.device
+        )
+        quota = torch.ceil(self.auto_fraction * sizes - 1e-9).long() * stale
+        ranking = self.score(inputs).float()
+        if inputs.probe_positions is not None:
+            probe = torch.searchsorted(inputs.visual_positions, inputs.probe_positions)
+            ranking = ranking.index_fill(0, probe, float("inf"))
+        ids = inputs.image_ids()
+        by_score = torch.argsort(ranking, descending=True, stable=True)
+        order = by_score[torch.argsort(ids[by_score], stable=True)]  # by image, then score
+        starts = torch.cumsum(sizes, 0) - sizes
+        rank = torch.arange(order.numel(), device=inputs.device) - starts[ids[order]]
+        keep = order[rank < quota[ids[order]]]
+        return inputs.visual_positions[keep].sort().values
 
     def staleness(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(num_images,)`` float32 ``z_j``, and the ``(m,)`` visual-order index and
