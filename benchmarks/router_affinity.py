@@ -34,21 +34,18 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
 
-import requests
 import torch
 
+from harness.doc_qa import doc_messages, stream_ttft_ms
 from harness.servers import prepare_bench
-from harness.workloads import _image_url
 from sgl_mmkv.testing.router import GatewayProcess, RouterProcess
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
 
-QUESTION = "What do these pages say?"
 COUNTED = (
     ("segments", "image_tokens"),
     ("refresh", "reused_tokens"),
@@ -70,32 +67,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _messages(system: str, seeds: list[int], size: int) -> list[dict]:
-    images = [{"type": "image_url", "image_url": {"url": _image_url(s, size)}} for s in seeds]
-    return [
-        {"role": "system", "content": system},
-        {"role": "user", "content": [*images, {"type": "text", "text": QUESTION}]},
-    ]
-
-
-def _ttft_ms(url: str, messages: list[dict]) -> float:
-    """Time to the first streamed chunk of one chat request, in ms."""
-    body = {"model": "default", "messages": messages, "max_tokens": 1, "temperature": 0}
-    start = time.perf_counter()
-    first = None
-    with requests.post(
-        url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=600
-    ) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.text}")
-        for line in r.iter_lines():
-            if line.startswith(b"data:") and first is None:
-                first = time.perf_counter()
-    if first is None:
-        raise RuntimeError("no streamed chunk")
-    return (first - start) * 1000
-
-
 def _counts(servers: list[ServerProcess]) -> list[dict[str, float]]:
     out = []
     for server in servers:
@@ -111,7 +82,7 @@ def _phase(url: str, servers, requests_: list[list[dict]]) -> dict:
     total = {name: 0.0 for _, name in COUNTED}
     for messages in requests_:
         before = _counts(servers)
-        ttft.append(_ttft_ms(url, messages))
+        ttft.append(stream_ttft_ms(url, messages))
         after = _counts(servers)
         served.append(
             [i for i in range(len(servers)) if after[i]["requests"] > before[i]["requests"]]
@@ -127,13 +98,15 @@ def _run(config: str, router_args: list[str], servers, args, base_seed: int, log
     docs = [[base_seed + d * args.pages + p for p in range(args.pages)] for d in range(args.docs)]
     affinity = config == "affinity"
     reads = [
-        _messages(f"Read document {d}.", pages, args.image_size) for d, pages in enumerate(docs)
+        doc_messages(f"Read document {d}.", pages, args.image_size) for d, pages in enumerate(docs)
     ]
     queries = []
     for r in range(args.rounds):
         for d in rng.sample(range(args.docs), args.docs):
             pages = rng.sample(docs[d], len(docs[d]))
-            queries.append(_messages(f"Round {r}: a new question on {d}.", pages, args.image_size))
+            queries.append(
+                doc_messages(f"Round {r}: a new question on {d}.", pages, args.image_size)
+            )
     urls = [s.base_url for s in servers]
     log = logs / f"router-{config.replace(' ', '').replace('+', '-')}.log"
     with RouterProcess(urls, router_args[0], log, router_args[1:]) as router:
