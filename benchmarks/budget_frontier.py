@@ -108,21 +108,23 @@ def plot(summaries: list[dict], target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     scenarios = list(dict.fromkeys(s["scenario"] for s in summaries))
+    modes = list(dict.fromkeys(s["mode"] for s in summaries if s["mode"] not in ENDS))
+    colour = {mode: f"C{i % 10}" for i, mode in enumerate(modes)}
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios, strict=True):
         mine = [s for s in summaries if s["scenario"] == scenario]
         ends = [s for s in mine if s["mode"] in ENDS]
-        modes = dict.fromkeys(s["mode"] for s in mine if s["mode"] not in ENDS)
-        for i, mode in enumerate(modes):
+        for mode in dict.fromkeys(s["mode"] for s in mine if s["mode"] not in ENDS):
             runs = [s for s in mine if s["mode"] == mode]
             fixed = sorted(
                 [s for s in runs if s["budget"] != AUTO] + ends, key=lambda s: refreshed_share(s)
             )
             if len(fixed) > len(ends):
-                _errorbar(ax, fixed, dict(marker="o", linestyle="-", color=f"C{i}", label=mode))
+                style = dict(marker="o", linestyle="-", color=colour[mode], label=mode)
+                _errorbar(ax, fixed, style)
             autos = [s for s in runs if s["budget"] == AUTO]
             if autos:
-                style = dict(marker="*", markersize=12, linestyle="", color=f"C{i}")
+                style = dict(marker="*", markersize=12, linestyle="", color=colour[mode])
                 _errorbar(ax, autos, {**style, "label": f"{mode} (auto)"})
         ax.axhline(target, color="grey", linestyle=":", label=f"target {target:g}")
         ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
@@ -131,8 +133,12 @@ def plot(summaries: list[dict], target: float, path: Path) -> None:
         ax.set_ylabel("accuracy / full prefill (95 % CI)")
         ax.set_xlim(-0.02, 1.02)
         ax.set_ylim(0, 1.1)
-    axes[0][-1].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    labelled = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
+    fig.legend(labelled.values(), labelled.keys(), fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=120)
 
 

@@ -45,6 +45,8 @@ def compare(records: dict[str, list[dict]], method: str, budget: float) -> list[
                 continue
             b = outcomes(records[other], scenario)
             uids = sorted(a.keys() & b.keys())
+            if not uids:  # ``other`` was not measured on this scenario
+                continue
             ci = paired_intervals([b[u] for u in uids], [a[u] for u in uids])
             rows.append(
                 {
