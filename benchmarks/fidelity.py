@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             summaries += summarise(name, records[label], budget)
     for name in ablations:
         mode = ablation_label(name)
-        for budget in budgets:
+        for budget in budgets_of("conduit", budgets):
             label = f"{mode}@{budget}"
             server = server_for(
                 "conduit", args.model_path, budget, args.out_dir, args.segment_fill, name

@@ -26,8 +26,8 @@ def stream_ttft_ms(url: str, messages: list[dict], timeout_s: float = 600) -> fl
     """Time to the first streamed chunk of one chat request to ``url``, in ms.
 
     Raises:
-        RuntimeError: a status other than 200, or a stream without a data chunk or
-            without its end (``[DONE]``).
+        RuntimeError: a status other than 200, an error chunk, or a stream without a
+            data chunk or without its end (``[DONE]``).
     """
     body = {"model": "default", "messages": messages, "max_tokens": 1, "temperature": 0}
     start = time.perf_counter()
@@ -39,6 +39,8 @@ def stream_ttft_ms(url: str, messages: list[dict], timeout_s: float = 600) -> fl
             raise RuntimeError(f"{r.status_code}: {r.text}")
         for line in r.iter_lines():
             if line.startswith(b"data:"):
+                if b'"error"' in line:  # SGLang reports a failure inside the stream
+                    raise RuntimeError(f"error in the stream: {line[:200]!r}")
                 if first is None:
                     first = time.perf_counter()
                 done = done or line.strip() == b"data: [DONE]"

@@ -357,6 +357,14 @@ def test_staleprobe_auto_refreshes_a_share_of_each_image_its_probe_finds_stale()
     fresh = make_refresh_scorer("staleprobe", auto_threshold=0.9)
     assert fresh.select(probed, "auto").numel() == 0  # every probe came back fresh
     assert fresh.select(inputs, "auto").numel() == 0  # no probes: nothing known stale
+    long = replace(
+        make_inputs(seed=14, spans=((5, 55),)),
+        probe_positions=torch.tensor([30]),
+        probe_deviation=torch.tensor([[1.0], [1.0]]),
+    )
+    thirty = make_refresh_scorer("staleprobe", auto_fraction=0.3)
+    assert thirty.select(long, "auto").numel() == 15 == math.ceil(0.3 * 50 - 1e-9)
+    assert thirty.budget_bound("auto", (4,), (50,)) == 15 / 50
     with pytest.raises(ValueError, match="auto_fraction"):
         make_refresh_scorer("staleprobe", auto_fraction=1.5)
     with pytest.raises(ValueError, match="auto_threshold"):

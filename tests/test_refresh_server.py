@@ -335,12 +335,13 @@ def test_staleprobe_at_budget_one_reproduces_full_prefill(tiny_vlm, tmp_path_fac
 
 
 def test_staleprobe_auto_refreshes_the_images_its_probes_find_stale(tiny_vlm, tmp_path_factory):
-    """``--mm-refresh-budget auto`` at threshold 0 (every probed image stale) and
+    """``--mm-refresh-budget auto`` at threshold 1e-6 (every probed image whose probe's
+    K/V moved at all is stale; probes that measured nothing would refresh nothing) and
     fraction 1: reordered images are all probed and refreshed in full, so the answer
     is the full prefill's; images moved together under a new system prompt are probed
     only at the first, so that image alone is refreshed (16 tokens of 48)."""
     log = tmp_path_factory.mktemp("logs") / "sgl_mmkv_staleprobe_auto.log"
-    knobs = '{"auto_threshold": 0.0, "auto_fraction": 1.0}'
+    knobs = '{"auto_threshold": 1e-6, "auto_fraction": 1.0}'
     args = _server_args(
         "--mm-reuse", "staleprobe", "--mm-refresh-budget", "auto",
         "--mm-refresh-scorer-args", knobs,

@@ -8,6 +8,8 @@ import torch
 from sgl_mmkv.refresh.cost import reuse_flops, scoring_rows, unchanged_prefix
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
+from sgl_mmkv.refresh.planning import ExtendPlanner
+from sgl_mmkv.refresh.report import RefreshCounters
 from sgl_mmkv.scoring import make_refresh_scorer
 from sgl_mmkv.segments.store import Segment
 
@@ -116,3 +118,35 @@ def test_estimate_skips_a_compressed_segments_dropped_tokens_in_the_refresh_pass
     cost_whole = reuse_flops(SHAPE, whole, scorer, 0.1)
     cost_compressed = reuse_flops(SHAPE, compressed, scorer, 0.1)
     assert cost_whole < cost_compressed < cost_whole + 2 * extra_scoring
+
+
+def _spans_with_deltas(deltas: list[int]) -> RequestPlan:
+    """110 tokens, three 32-token images at 4, 38 and 72 shifted by ``deltas``: 14 text."""
+    visual = torch.zeros(110, dtype=torch.bool)
+    spans = []
+    for start, delta in zip((4, 38, 72), deltas, strict=True):
+        segment = Segment(key=(start,), slots=torch.arange(32), positions=torch.arange(32)[None])
+        spans.append(ReuseSpan(start, start + 32, segment, delta=delta))
+        visual[start : start + 32] = True
+    return RequestPlan(0, 0, 110, tuple(spans), visual=visual)
+
+
+def test_the_cost_gate_bounds_an_auto_budget_by_the_images_it_may_find_stale():
+    """At ``auto`` the gate counts ``auto_fraction`` of the probed images' tokens: images
+    moved together (one probe) are reused, reordered ones (every image probed, all of
+    them possibly refreshed) cost more than the full prefill and are served as stock."""
+    scorer = make_refresh_scorer("staleprobe")
+    planner = ExtendPlanner(None, scorer, "auto", "cost", RefreshCounters())
+    planner._shape = SHAPE
+    full = SHAPE.extend_flops(0, 110)
+    together, reordered = _spans_with_deltas([4, 4, 4]), _spans_with_deltas([5, -3, 9])
+    assert (
+        reuse_flops(SHAPE, together, scorer, 32 / 96)
+        < full
+        <= reuse_flops(SHAPE, reordered, scorer, 1.0)
+    )
+    assert not planner._too_costly(together)
+    assert planner._too_costly(reordered)
+    fixed = ExtendPlanner(None, scorer, 0.1, "cost", RefreshCounters())
+    fixed._shape = SHAPE
+    assert not fixed._too_costly(reordered)  # a fixed 10 % is cheap whatever went stale

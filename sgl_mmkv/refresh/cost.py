@@ -92,7 +92,7 @@ def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, bud
     after_scoring_pass = scorer.needs_attention or scorer.needs_fresh_kv
     num_image_tokens = sum(s.end - s.start for s in plan.spans) - int(plan.hole_mask().sum())
     k = budget_count(budget, num_image_tokens)
-    selected = reused_rows[reused_rows.numel() - k :] + plan.prefix_len
+    selected = reused_rows[max(0, reused_rows.numel() - k) :] + plan.prefix_len
     skip = int(reused_rows[0]) if after_scoring_pass else 0
     rows = refresh_rows(plan, fresh, selected, after_scoring_pass, skip)
     return total + shape.pass_flops(positions[rows])

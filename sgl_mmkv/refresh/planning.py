@@ -117,6 +117,6 @@ class ExtendPlanner:
     def _too_costly(self, plan: RequestPlan) -> bool:
         full = self._shape.extend_flops(plan.prefix_len, plan.seq_len)
         deltas = tuple(span.delta for span in plan.spans)
-        sizes = tuple(int(span.reused_positions().numel()) for span in plan.spans)
+        sizes = tuple(span.end - span.start for span in plan.spans)  # what auto's quota counts
         bound = self.scorer.budget_bound(self.budget, deltas, sizes)
         return reuse_flops(self._shape, plan, self.scorer, bound) >= full

@@ -82,9 +82,7 @@ class StaleProbeScorer(ProphetKVScorer):
         total = sum(sizes)
         if not total:
             return self.auto_fraction
-        probed = sum(
-            math.ceil(self.auto_fraction * sizes[i] - 1e-9) for i in self.probe_spans(deltas)
-        )
+        probed = sum(_share(self.auto_fraction, sizes[i]) for i in self.probe_spans(deltas))
         return min(1.0, probed / total)
 
     def stale_images(self, inputs: ScoringInputs) -> torch.Tensor:
@@ -103,10 +101,10 @@ class StaleProbeScorer(ProphetKVScorer):
         request's own. One device-side pass: tokens ordered by image, then by rank
         within it; a token is kept while its rank is below its image's quota."""
         stale = self.stale_images(inputs)
-        sizes = torch.tensor(
-            [e - s for s, e in inputs.image_spans], dtype=torch.long, device=inputs.device
-        )
-        quota = torch.ceil(self.auto_fraction * sizes - 1e-9).long() * stale
+        lengths = [e - s for s, e in inputs.image_spans]
+        quotas = [_share(self.auto_fraction, n) for n in lengths]  # host ints: exact
+        sizes = torch.tensor(lengths, dtype=torch.long, device=inputs.device)
+        quota = torch.tensor(quotas, dtype=torch.long, device=inputs.device) * stale
         ranking = self.score(inputs).float()
         if inputs.probe_positions is not None:
             probe = torch.searchsorted(inputs.visual_positions, inputs.probe_positions)
@@ -145,3 +143,9 @@ class StaleProbeScorer(ProphetKVScorer):
         stale = z >= self.stale_fraction * z.max()
         inf = torch.full(probe.shape, float("inf"), device=scores.device, dtype=scores.dtype)
         return scores.index_put((probe,), torch.where(stale[images], inf, -inf))
+
+
+def _share(fraction: float, count: int) -> int:
+    """``ceil(fraction * count)`` tokens, in float64 on the host (float32 would round
+    0.3 * 50 up to 16)."""
+    return min(count, math.ceil(fraction * count - 1e-9))
