@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 
 import torch
 
-from harness.doc_qa import doc_messages, stream_ttft_ms
+from harness.doc_qa import doc_qa_trace, stream_ttft_ms
 from harness.servers import prepare_bench
 from sgl_mmkv.testing.router import GatewayProcess, RouterProcess
 from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
@@ -94,19 +94,10 @@ def _phase(url: str, servers, requests_: list[list[dict]]) -> dict:
 
 
 def _run(config: str, router_args: list[str], servers, args, base_seed: int, logs: Path) -> dict:
-    rng = random.Random(args.seed)
-    docs = [[base_seed + d * args.pages + p for p in range(args.pages)] for d in range(args.docs)]
     affinity = config == "affinity"
-    reads = [
-        doc_messages(f"Read document {d}.", pages, args.image_size) for d, pages in enumerate(docs)
-    ]
-    queries = []
-    for r in range(args.rounds):
-        for d in rng.sample(range(args.docs), args.docs):
-            pages = rng.sample(docs[d], len(docs[d]))
-            queries.append(
-                doc_messages(f"Round {r}: a new question on {d}.", pages, args.image_size)
-            )
+    reads, queries = doc_qa_trace(
+        args.docs, args.pages, args.rounds, args.image_size, base_seed, random.Random(args.seed)
+    )
     urls = [s.base_url for s in servers]
     log = logs / f"router-{config.replace(' ', '').replace('+', '-')}.log"
     with RouterProcess(urls, router_args[0], log, router_args[1:]) as router:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 
 import torch
 
-from harness.doc_qa import doc_messages, stream_ttft_ms
+from harness.doc_qa import doc_qa_trace, stream_ttft_ms
 from harness.mooncake_cluster import MooncakeCluster
 from harness.servers import prepare_bench
 from sgl_mmkv.testing.router import RouterProcess
@@ -127,22 +127,6 @@ def _phase(url: str, requests_: list[list[dict]], args, on_half=None) -> list[di
         return list(pool.map(one, requests_))
 
 
-def _requests(args, base_seed: int) -> tuple[list, list]:
-    rng = random.Random(args.seed + base_seed)
-    docs = [[base_seed + d * args.pages + p for p in range(args.pages)] for d in range(args.docs)]
-    reads = [
-        doc_messages(f"Read document {d}.", pages, args.image_size) for d, pages in enumerate(docs)
-    ]
-    queries = []
-    for r in range(args.rounds):
-        for d in rng.sample(range(args.docs), args.docs):
-            pages = rng.sample(docs[d], len(docs[d]))
-            queries.append(
-                doc_messages(f"Round {r}: a new question on {d}.", pages, args.image_size)
-            )
-    return reads, queries
-
-
 def _summary(results: list[dict]) -> dict:
     ttft = sorted(r["ttft_ms"] for r in results if r["ttft_ms"] is not None)
     p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None
@@ -157,7 +141,10 @@ def _summary(results: list[dict]) -> dict:
 
 
 def run_config(name: str, servers: list[ServerProcess], args, base_seed: int, logs: Path) -> dict:
-    reads, queries = _requests(args, base_seed)
+    rng = random.Random(args.seed + base_seed)
+    reads, queries = doc_qa_trace(
+        args.docs, args.pages, args.rounds, args.image_size, base_seed, rng
+    )
     log = logs / f"router-{name.replace(' ', '_').replace(',', '').replace('+', 'and')}.log"
     counters = Counters(servers)
     killed_at = []

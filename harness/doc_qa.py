@@ -3,6 +3,7 @@ streamed, one output token; their time to the first chunk."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import requests
@@ -20,6 +21,22 @@ def doc_messages(system: str, seeds: list[int], size: int) -> list[dict]:
         {"role": "system", "content": system},
         {"role": "user", "content": [*images, {"type": "text", "text": QUESTION}]},
     ]
+
+
+def doc_qa_trace(
+    docs: int, pages: int, rounds: int, image_size: int, base_seed: int, rng: random.Random
+) -> tuple[list[list[dict]], list[list[dict]]]:
+    """``(reads, queries)``: ``docs`` documents of ``pages`` pages (image seeds from
+    ``base_seed``), each read once, then ``rounds`` rounds asking about every document
+    in an ``rng`` order under a new system prompt, its pages in a new order."""
+    pool = [[base_seed + d * pages + p for p in range(pages)] for d in range(docs)]
+    reads = [doc_messages(f"Read document {d}.", seeds, image_size) for d, seeds in enumerate(pool)]
+    queries = []
+    for r in range(rounds):
+        for d in rng.sample(range(docs), docs):
+            seeds = rng.sample(pool[d], len(pool[d]))
+            queries.append(doc_messages(f"Round {r}: a new question on {d}.", seeds, image_size))
+    return reads, queries
 
 
 def stream_ttft_ms(url: str, messages: list[dict], timeout_s: float = 600) -> float:

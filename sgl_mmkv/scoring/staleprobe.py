@@ -92,24 +92,28 @@ class StaleProbeScorer(ProphetKVScorer):
         if inputs.probe_positions is None or inputs.probe_deviation is None:
             return torch.zeros(len(inputs.image_spans), dtype=torch.bool, device=inputs.device)
         z, _, images = self.staleness(inputs)
+        return self._stale(z, images, inputs.probe_deviation.shape[0])
+
+    def _stale(self, z: torch.Tensor, images: torch.Tensor, num_layers: int) -> torch.Tensor:
         probed = torch.zeros_like(z, dtype=torch.bool).index_fill(0, images, True)
-        return probed & (z / inputs.probe_deviation.shape[0] >= self.auto_threshold)
+        return probed & (z / num_layers >= self.auto_threshold)
 
     def select_adaptive(self, inputs: ScoringInputs) -> torch.Tensor:
         """Sorted ``(k,)`` row positions: ``ceil(auto_fraction * n_j)`` tokens of each
         stale image ``j`` (its probe, then the highest ``alpha``); ``k`` is the
         request's own. One device-side pass: tokens ordered by image, then by rank
         within it; a token is kept while its rank is below its image's quota."""
-        stale = self.stale_images(inputs)
+        if inputs.probe_positions is None or inputs.probe_deviation is None:
+            return torch.empty(0, dtype=torch.long, device=inputs.device)
+        z, probe, images = self.staleness(inputs)
+        stale = self._stale(z, images, inputs.probe_deviation.shape[0])
         lengths = [e - s for s, e in inputs.image_spans]
         quotas = [_share(self.auto_fraction, n) for n in lengths]  # host ints: exact
         sizes = torch.tensor(lengths, dtype=torch.long, device=inputs.device)
         quota = torch.tensor(quotas, dtype=torch.long, device=inputs.device) * stale
-        ranking = self.score(inputs).float()
-        if inputs.probe_positions is not None:
-            probe = torch.searchsorted(inputs.visual_positions, inputs.probe_positions)
-            ranking = ranking.index_fill(0, probe, float("inf"))
         ids = inputs.image_ids()
+        alpha = ProphetKVScorer.score(self, inputs)
+        ranking = (alpha * z[ids]).float().index_fill(0, probe, float("inf"))
         by_score = torch.argsort(ranking, descending=True, stable=True)
         order = by_score[torch.argsort(ids[by_score], stable=True)]  # by image, then score
         starts = torch.cumsum(sizes, 0) - sizes
