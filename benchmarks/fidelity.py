@@ -37,11 +37,11 @@ from harness.fidelity import (
     measure,
 )
 from harness.fidelity_summary import ScenarioSummary, format_table, summarise, to_json
-from harness.fidelity_task import model_split
+from harness.fidelity_task import fidelity_pool_tokens, model_split
 from sgl_mmkv.config import ADAPTIVE_SCORERS, CACHE_ONLY_MODES, SEGMENT_FILL_POLICIES
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.scoring import AUTO_BUDGET, REFRESH_SCORERS
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, cpu_server_args, mmkv_stats
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "fidelity-qwen2-vl-marked"
 # Scorer modes run at every --budgets value (every registered refresh scorer, the
@@ -55,7 +55,12 @@ MEASURE_EVERY_MATCH: tuple[str, ...] = ("--mm-reuse-gate", "always")
 
 
 def eviction_server_for(
-    evict: str, kv_budget: float, model: Path, log_dir: Path, refresh_budget: float
+    evict: str,
+    kv_budget: float,
+    model: Path,
+    log_dir: Path,
+    refresh_budget: float,
+    pool_tokens: int = 4096,
 ) -> ServerProcess:
     """A ``conduit`` server whose segments are compressed to ``kv_budget`` as soon
     as they are stored: every probe reuses compressed segments."""
@@ -64,11 +69,11 @@ def eviction_server_for(
         *MEASURE_EVERY_MATCH,
         *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "fill"),
     ]
-    return mmkv_server(extra, model, log_dir / f"evict_{evict}_{kv_budget}.log")
+    return mmkv_server(extra, model, log_dir / f"evict_{evict}_{kv_budget}.log", pool_tokens)
 
 
 def decode_compression_server_for(
-    evict: str, kv_budget: float, model: Path, log_dir: Path
+    evict: str, kv_budget: float, model: Path, log_dir: Path, pool_tokens: int = 4096
 ) -> ServerProcess:
     """A ``conduit`` server whose running requests decode from their rows' top
     ``kv_budget`` image tokens (``--mm-compress-at decode``)."""
@@ -76,7 +81,7 @@ def decode_compression_server_for(
         *("--mm-reuse", "conduit"),
         *("--mm-evict", evict, "--mm-kv-budget", str(kv_budget), "--mm-compress-at", "decode"),
     ]
-    return mmkv_server(extra, model, log_dir / f"decode_{evict}_{kv_budget}.log")
+    return mmkv_server(extra, model, log_dir / f"decode_{evict}_{kv_budget}.log", pool_tokens)
 
 
 def server_for(
@@ -87,13 +92,18 @@ def server_for(
     segment_fill: str = "first",
     ablation: str | None = None,
     knobs: str = "",
+    pool_tokens: int = 4096,
 ) -> ServerProcess:
     """The server of ``mode`` at ``budget`` (a fraction or ``auto``); ``ablation``: a
     CONDUIT ablation's name (``mode`` is then ``conduit``, with that ablation's scorer
-    knobs); ``knobs``: otherwise, the scorer's knobs as a JSON object."""
+    knobs); ``knobs``: otherwise, the scorer's knobs as a JSON object; ``pool_tokens``:
+    the KV pool (:func:`harness.fidelity_task.fidelity_pool_tokens`)."""
     if mode == "stock":
         return ServerProcess(
-            "sglang.launch_server", model, CPU_SERVER_ARGS, log_path=log_dir / "stock.log"
+            "sglang.launch_server",
+            model,
+            cpu_server_args(pool_tokens),
+            log_path=log_dir / "stock.log",
         )
     extra = ["--mm-reuse", mode]
     if budget is not None:
@@ -106,7 +116,7 @@ def server_for(
         extra += ["--mm-segment-fill", segment_fill, *MEASURE_EVERY_MATCH]
     name = ablation_label(ablation) if ablation is not None else mode
     name += f"_{budget}" if budget is not None else ""
-    return mmkv_server(extra, model, log_dir / f"{name}.log")
+    return mmkv_server(extra, model, log_dir / f"{name}.log", pool_tokens)
 
 
 def budgets_of(mode: str, budgets: list[float | str]) -> list[float | str | None]:
@@ -118,11 +128,12 @@ def budgets_of(mode: str, budgets: list[float | str]) -> list[float | str | None
     return [b for b in budgets if b != AUTO_BUDGET or adapts]
 
 
-def mmkv_server(flags: list[str], model: Path, log_path: Path) -> ServerProcess:
+def mmkv_server(
+    flags: list[str], model: Path, log_path: Path, pool_tokens: int = 4096
+) -> ServerProcess:
     """``python -m sgl_mmkv.launch_server`` with ``flags`` and the CPU settings."""
-    return ServerProcess(
-        "sgl_mmkv.launch_server", model, [*flags, REPORT_REUSE, *CPU_SERVER_ARGS], log_path=log_path
-    )
+    args = [*flags, REPORT_REUSE, *cpu_server_args(pool_tokens)]
+    return ServerProcess("sgl_mmkv.launch_server", model, args, log_path=log_path)
 
 
 def measure_on(
@@ -283,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     examples = model_split(args.model_path, "test", args.num_examples)
     layout = PromptLayout(str(args.model_path))
+    pool = fidelity_pool_tokens(args.model_path, args.concurrency)
 
     summaries: list[ScenarioSummary] = []
     records = {}
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             label = name if budget is None else f"{name}@{budget}"
             server = server_for(
                 mode, args.model_path, budget, args.out_dir, args.segment_fill, None,
-                args.scorer_args,
+                args.scorer_args, pool,
             )  # fmt: skip
             records[label], _ = measure_on(
                 server, label, layout, examples, scenarios, concurrency=args.concurrency
@@ -304,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets_of("conduit", budgets):
             label = f"{mode}@{budget}"
             server = server_for(
-                "conduit", args.model_path, budget, args.out_dir, args.segment_fill, name
+                "conduit",
+                args.model_path,
+                budget,
+                args.out_dir,
+                args.segment_fill,
+                name,
+                pool_tokens=pool,
             )
             records[label], _ = measure_on(
                 server, label, layout, examples, scenarios, concurrency=args.concurrency
@@ -314,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
             label = f"evict:{evict}@{kv_budget}"
             server = eviction_server_for(
-                evict, kv_budget, args.model_path, args.out_dir, args.evict_refresh_budget
+                evict, kv_budget, args.model_path, args.out_dir, args.evict_refresh_budget, pool
             )
             records[label], _ = measure_on(
                 server, label, layout, examples, scenarios, concurrency=args.concurrency
@@ -324,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_counters: dict[str, dict] = {}  # label -> the server's counters after its probes
     if decode_modes:
         uncompressed = mmkv_server(
-            ["--mm-reuse", "conduit"], args.model_path, args.out_dir / "decode_reference.log"
+            ["--mm-reuse", "conduit"], args.model_path, args.out_dir / "decode_reference.log", pool
         )
         with uncompressed:
             references = ReferenceReplies(FidelityClient(uncompressed.base_url))
@@ -332,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 for kv_budget in [float(b) for b in args.kv_budgets.split(",") if b]:
                     label = f"decode:{evict}@{kv_budget}"
                     server = decode_compression_server_for(
-                        evict, kv_budget, args.model_path, args.out_dir
+                        evict, kv_budget, args.model_path, args.out_dir, pool
                     )
                     records[label], stats = measure_on(
                         server, label, layout, examples, [COLD], references

@@ -248,6 +248,7 @@ def leading_image(example: Example) -> ShapeImage:
         background=backgrounds[0],
         jitter=(0, 0, 0),
         marked=True,
+        side=first.side,
     )
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -87,8 +88,17 @@ class ShapeImage:
     background: int
     jitter: tuple[int, int, int]
     marked: bool = False  # a dot on the shape: the target of a "marked" question
+    # pixels a side it is sent at: drawn at IMAGE_SIZE, then resized (bicubic), as a
+    # processor resizing to the model's size would (the page-sized model: 224)
+    side: int = IMAGE_SIZE
 
     def render(self) -> Image.Image:
+        image = self._draw()
+        if self.side != IMAGE_SIZE:
+            image = image.resize((self.side, self.side), Image.Resampling.BICUBIC)
+        return image
+
+    def _draw(self) -> Image.Image:
         image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[self.background][1])
         draw = ImageDraw.Draw(image)
         half = IMAGE_SIZE // 2
@@ -151,9 +161,10 @@ def make_example(
     qtype: str | None = None,
     style: str = "keyed",
     max_images: int = MAX_IMAGES,
+    image_side: int = IMAGE_SIZE,
 ) -> Example:
     """The ``index``-th example of ``split``; 1 (2 for ``next``) to ``max_images``
-    images unless ``num_images`` is given.
+    images unless ``num_images`` is given, each sent at ``image_side`` pixels a side.
 
     ``style="marked"`` draws the same images and target, marks the target and asks
     about "the dotted shape" (:func:`ask_marked`); ``style="next"`` marks the image
@@ -177,6 +188,7 @@ def make_example(
             quadrant=rng.choice(QUADRANTS),
             background=background,
             jitter=(rng.randint(-4, 4), rng.randint(-4, 4), rng.randint(-6, 6)),
+            side=image_side,
         )
         for colour, background in zip(colours, backgrounds, strict=True)
     )
@@ -264,14 +276,51 @@ def model_max_images(model_path: str | Path) -> int:
     return int(_training_record(model_path).get("config", {}).get("max_images", MAX_IMAGES))
 
 
+def _image_processor(model_path: str | Path) -> dict:
+    """The checkpoint's image processor settings (the task's 112 x 112 when it has none)."""
+    path = Path(model_path) / "processor_config.json"
+    if not path.exists():
+        return {"max_pixels": IMAGE_SIZE**2, "patch_size": 14, "merge_size": 2}
+    return json.loads(path.read_text())["image_processor"]
+
+
+def _fixed_pixels(image: dict) -> int:
+    return image.get("max_pixels") or image["size"]["longest_edge"]
+
+
+def model_image_tokens(model_path: str | Path) -> int:
+    """Tokens per image of a fidelity checkpoint: its processor resizes every image to
+    ``max_pixels``, one token per ``(patch * merge) ** 2`` pixels."""
+    image = _image_processor(model_path)
+    return _fixed_pixels(image) // (image["patch_size"] * image["merge_size"]) ** 2
+
+
+def model_image_side(model_path: str | Path) -> int:
+    """Pixels a side a fidelity checkpoint's images are sent at: its processor's fixed
+    size (112 for the small-image models, 224 for the page-sized one)."""
+    return math.isqrt(_fixed_pixels(_image_processor(model_path)))
+
+
+def fidelity_pool_tokens(model_path: str | Path, concurrency: int) -> int:
+    """A KV pool (tokens) that holds a whole chunk of ``concurrency`` probes with their
+    warm-ups, so no warm-up's images are evicted before their probe reuses them: per
+    probe a warm-up and a two-turn probe (three times the most images) and 512 text
+    tokens; at least the suite's 4096."""
+    per_probe = 3 * model_max_images(model_path) * model_image_tokens(model_path) + 512
+    return max(4096, concurrency * per_probe)
+
+
 def make_split(split: str, count: int, start: int = 0, **kwargs) -> list[Example]:
     return [make_example(split, i, **kwargs) for i in range(start, start + count)]
 
 
 def model_split(model_path: str | Path, split: str, count: int) -> list[Example]:
-    """``split[0:count]`` in the question style and image counts ``model_path`` was trained on."""
+    """``split[0:count]`` in the question style, image counts and image size
+    ``model_path`` was trained on."""
     style, most = model_style(model_path), model_max_images(model_path)
-    return make_split(split, count, style=style, max_images=most)
+    return make_split(
+        split, count, style=style, max_images=most, image_side=model_image_side(model_path)
+    )
 
 
 def score(prediction: str, answer: str) -> bool:

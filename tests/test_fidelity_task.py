@@ -232,3 +232,43 @@ def test_concurrent_chunks_never_hold_one_example_twice():
     assert _chunks(jobs[:3], 1) == [[job] for job in jobs[:3]]
     two = [(e, s) for s in ("reordered", "image_prefix") for e in examples[:2]]
     assert [len(c) for c in _chunks(two, 4)] == [2, 2]  # example 0 would repeat
+
+
+def test_fidelity_pool_holds_a_chunk_of_warm_ups_and_probes(tmp_path):
+    """16 tokens per image at 112 x 112 and 64 at 224 x 224 (one per 28 x 28 pixels);
+    the pool grows with the images a chunk holds and never drops under 4096."""
+    from pathlib import Path
+
+    from harness.fidelity_task import fidelity_pool_tokens, model_image_side, model_image_tokens
+
+    root = Path(__file__).resolve().parent.parent / "models"
+    assert model_image_tokens(root / "fidelity-qwen2-vl-next") == 16
+    assert fidelity_pool_tokens(root / "fidelity-qwen2-vl-next", 1) == 4096
+    # next: 4 images at most -> 8 probes x (3 x 4 x 16 + 512) = 5632
+    assert fidelity_pool_tokens(root / "fidelity-qwen2-vl-next", 8) == 5632
+    page = tmp_path / "page"
+    page.mkdir()
+    config = json.loads((root / "fidelity-qwen2-vl-next" / "processor_config.json").read_text())
+    config["image_processor"]["size"] = {"longest_edge": 224 * 224, "shortest_edge": 224 * 224}
+    (page / "processor_config.json").write_text(json.dumps(config))
+    (page / "training.json").write_text(json.dumps({"config": {"max_images": 8}}))
+    assert model_image_tokens(page) == 64
+    assert model_image_side(page) == 224
+    assert model_image_side(root / "fidelity-qwen2-vl-next") == 112
+    assert fidelity_pool_tokens(page, 8) == 8 * (3 * 8 * 64 + 512)
+
+
+def test_images_are_sent_at_the_size_asked_for_and_keep_their_content():
+    """At 224 pixels a side an image is its 112-pixel drawing resized (what the
+    page-sized model's processor did in training); the example is otherwise the same."""
+    from PIL import Image
+
+    small = make_example("test", 5, style="next")
+    page = make_example("test", 5, style="next", image_side=224)
+    assert [im.key() for im in page.images] == [im.key() for im in small.images]
+    assert (page.question, page.answer) == (small.question, small.answer)
+    drawn = small.images[0].render()
+    sent = page.images[0].render()
+    assert drawn.size == (112, 112) and sent.size == (224, 224)
+    assert sent.tobytes() == drawn.resize((224, 224), Image.Resampling.BICUBIC).tobytes()
+    assert leading_image(page).render().size == (224, 224)

@@ -72,3 +72,38 @@ def test_second_turn_prompts_label_only_the_answer_and_keep_old_recipes():
         replay.choice(ALT_SYSTEM_PROMPTS), replay.choice(PREAMBLES)
     assert rng.random() == replay.random()
     assert "Remember these." not in processor.tokenizer.decode(plain["input_ids"][0])
+
+
+def test_page_sized_images_are_64_tokens_and_labels_stay_the_answer():
+    """At ``--image-side 224`` every image is (224 / 28) ** 2 = 64 tokens; the training
+    labels and the teacher-forced prompt length follow the processor, not a constant."""
+    import random
+
+    from transformers import AutoProcessor
+
+    from training.stale_reuse import encode
+    from training.staleness_probes import set_image_side, training_batch
+    from training.staleness_tasks import make_stale_example, stale_messages
+
+    processor = AutoProcessor.from_pretrained(MODEL)
+    set_image_side(processor, 224)
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    examples = [make_stale_example("next", "train", i, 2 + 2 * i) for i in range(2)]
+    batch = training_batch(processor, examples, random.Random(0))
+    for row, example in enumerate(examples):
+        ids = batch["input_ids"][row]
+        assert int((ids == image_pad).sum()) == 64 * len(example.images)
+        labelled = ids[batch["labels"][row] != -100]
+        assert processor.tokenizer.decode(labelled) == example.answer + "<|im_end|>\n"
+    images: list = []
+
+    def part(image) -> dict:
+        images.append(image)
+        return {"type": "image"}
+
+    encoded = encode(processor, stale_messages(examples[1], part), images, examples[1].answer)
+    ids = encoded.inputs["input_ids"][0]
+    assert len(encoded.image_positions()) == 64 * 4
+    assert processor.tokenizer.decode(ids[encoded.prompt_tokens :]) == (
+        examples[1].answer + "<|im_end|>\n"
+    )

@@ -25,6 +25,7 @@ import torch
 from harness.fidelity_task import (
     Example,
     chat_messages,
+    fidelity_pool_tokens,
     model_split,
     score,
 )
@@ -121,9 +122,10 @@ def staleness_report(
     budget 0) through an sgl_mmkv server, on ``examples`` and on the test subset."""
     from harness.fidelity import FidelityClient, PromptLayout, measure
     from harness.fidelity_summary import summarise
-    from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
+    from sgl_mmkv.testing.server import ServerProcess, cpu_server_args
 
-    flags = ["--mm-reuse", "reuse", *CPU_SERVER_ARGS]
+    pool = fidelity_pool_tokens(model_path, concurrency)
+    flags = ["--mm-reuse", "reuse", *cpu_server_args(pool)]
     with ServerProcess("sgl_mmkv.launch_server", model_path, flags) as server:
         client, layout = FidelityClient(server.base_url), PromptLayout(str(model_path))
         records = measure(client, layout, examples, scenarios, concurrency=concurrency)

@@ -36,7 +36,6 @@ ATTRIBUTES: dict[str, int] = {
     "quadrant": len(QUADRANTS),
     "marked": 2,
 }
-TOKENS_PER_IMAGE = 16
 
 
 def attribute_labels(images: list[ShapeImage]) -> dict[str, torch.Tensor]:
@@ -67,30 +66,31 @@ def draw_images(rng: random.Random, count: int, split: str = "train") -> list[Sh
 class AttributeHeads(torch.nn.Module):
     """One linear classifier per attribute over an image's flattened merged tokens."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, tokens_per_image: int = 16) -> None:
         super().__init__()
         self.heads = torch.nn.ModuleDict(
             {
-                name: torch.nn.Linear(TOKENS_PER_IMAGE * hidden_size, classes)
+                name: torch.nn.Linear(tokens_per_image * hidden_size, classes)
                 for name, classes in ATTRIBUTES.items()
             }
         )
 
     def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``tokens``: ``(N, 16, hidden)`` -> ``{attribute: (N, classes) logits}``."""
+        """``tokens``: ``(N, tokens_per_image, hidden)`` -> ``{attribute: (N, classes)}``."""
         flat = tokens.flatten(1)
         return {name: head(flat) for name, head in self.heads.items()}
 
 
 def merged_tokens(model, processor, images: list[ShapeImage]) -> torch.Tensor:
-    """``(N, 16, hidden)``: the vision tower's merged tokens (the decoder's image input)."""
+    """``(N, tokens per image, hidden)``: the vision tower's merged tokens (the decoder's
+    image input; every image the processor's fixed size)."""
     encoded = processor.image_processor(images=[im.render() for im in images], return_tensors="pt")
     device = next(model.parameters()).device
     out = model.model.visual(
         encoded["pixel_values"].to(device), grid_thw=encoded["image_grid_thw"].to(device)
     )
     tokens = out.pooler_output if hasattr(out, "pooler_output") else out
-    return tokens.reshape(len(images), TOKENS_PER_IMAGE, -1)
+    return tokens.reshape(len(images), -1, tokens.shape[-1])
 
 
 @torch.no_grad()
@@ -119,12 +119,14 @@ def pretrain_vision(
     Returns the recipe and the held-out accuracy per attribute along the way."""
     rng = random.Random(seed * 7919 + 1)
     device = next(model.parameters()).device
-    heads = AttributeHeads(model.config.text_config.hidden_size).to(device)
+    validation = draw_images(random.Random(seed * 7919 + 2), num_validation, split="validation")
+    with torch.no_grad():
+        tokens_per_image = merged_tokens(model, processor, validation[:1]).shape[1]
+    heads = AttributeHeads(model.config.text_config.hidden_size, tokens_per_image).to(device)
     visual = model.model.visual
     optimizer = torch.optim.AdamW(
         [*visual.parameters(), *heads.parameters()], lr=lr, weight_decay=0.01
     )
-    validation = draw_images(random.Random(seed * 7919 + 2), num_validation, split="validation")
     visual.train()
     started = time.monotonic()
     history = []
@@ -152,6 +154,7 @@ def pretrain_vision(
         "steps": steps,
         "batch_size": batch_size,
         "lr": lr,
+        "tokens_per_image": tokens_per_image,
         "seconds": round(time.monotonic() - started),
         "validation_accuracy": history[-1]["val"] if history else None,
         "history": history,

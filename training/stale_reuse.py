@@ -20,7 +20,6 @@ import torch
 from harness.fidelity import OTHER_PREAMBLE, OTHER_SYSTEM
 from training.staleness_tasks import StaleExample, stale_messages
 
-TOKENS_PER_IMAGE = 16
 CONTEXTS = ("prefix", "reordered", "alone")
 
 
@@ -49,9 +48,10 @@ def encode(processor, messages: list[dict], images: list, answer: str | None = N
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     text = prompt if answer is None else prompt + answer + "<|im_end|>\n"
     inputs = processor(text=[text], images=images or None, return_tensors="pt")
-    shift = len(images) * (TOKENS_PER_IMAGE - 1)
-    prompt_tokens = len(processor.tokenizer(prompt)["input_ids"]) + shift
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    # each image's one pad in the text expands to its tokens; the prompt is prefix-stable
+    shift = int((inputs["input_ids"][0] == pad).sum()) - len(images)
+    prompt_tokens = len(processor.tokenizer(prompt)["input_ids"]) + shift
     return Encoded(dict(inputs), prompt_tokens, pad)
 
 
@@ -103,8 +103,9 @@ def record_image_kv(model, splicer: KVSplicer, encoded: Encoded) -> list[dict[st
 
 
 def _per_image(kv: list[dict[str, torch.Tensor]], count: int) -> list[list[dict]]:
-    """Split recorded KV into one per-layer list per image (prompt order)."""
-    span = TOKENS_PER_IMAGE
+    """Split recorded KV into one per-layer list per image (prompt order; every image
+    of a prompt has the same token count, the processor's fixed size)."""
+    span = kv[0]["k"].shape[0] // count
     return [
         [{n: t[i * span : (i + 1) * span] for n, t in layer.items()} for layer in kv]
         for i in range(count)

@@ -33,7 +33,8 @@ import torch
 
 from harness.fidelity_task import REMEMBER, two_turns
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
-from training.stale_reuse import CONTEXTS, TOKENS_PER_IMAGE, staleness_accuracy
+from training.pretrain_vision import pretrain_vision
+from training.stale_reuse import CONTEXTS, staleness_accuracy
 from training.staleness_tasks import VARIANT_NAMES, StaleExample, make_stale_example, stale_messages
 from training.train_fidelity_model import (
     ALT_SYSTEM_PROMPTS,
@@ -65,13 +66,17 @@ class ProbeConfig:
     # fraction of training prompts shown as a second turn, after a first turn that
     # showed the same images in another order (the turn_reordered scenario)
     turn_fraction: float = 0.0
+    # image side in pixels the processor resizes every image to (0: the checkpoint's);
+    # 224 gives (224 / 28) ** 2 = 64 tokens per image
+    image_side: int = 0
 
     @property
     def name(self) -> str:
         init = "" if self.init == "committed" else f"-{self.init}"
         depth = "" if self.layers == FIDELITY_SPEC.num_layers else f"-{self.layers}L"
         turns = f"-turns{self.turn_fraction:g}" if self.turn_fraction else ""
-        return f"{self.variant}{depth}{init}{turns}"
+        side = f"-{self.image_side}px" if self.image_side else ""
+        return f"{self.variant}{depth}{init}{turns}{side}"
 
 
 def deepen(model, layers: int):
@@ -100,11 +105,21 @@ def deepen(model, layers: int):
     return deep
 
 
+def set_image_side(processor, side: int) -> None:
+    """Make ``processor`` resize every image to ``side`` x ``side`` pixels."""
+    pixels = side * side
+    image_processor = processor.image_processor
+    image_processor.min_pixels = image_processor.max_pixels = pixels
+    image_processor.size = {"shortest_edge": pixels, "longest_edge": pixels}
+
+
 def load_model(config: ProbeConfig, checkpoint: Path):
     """(model, processor) the probe starts from."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint)
+    if config.image_side:
+        set_image_side(processor, config.image_side)
     if config.init == "scratch":
         model, _ = build_untrained("qwen2_vl", replace(FIDELITY_SPEC, num_layers=config.layers), 0)
         return model, processor
@@ -142,30 +157,45 @@ def training_batch(
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
         texts.append(prompt + example.answer + "<|im_end|>\n")
         images.extend(ims)
-        # each image pad expands to TOKENS_PER_IMAGE tokens; the prompt is prefix-stable
-        shift = len(ims) * (TOKENS_PER_IMAGE - 1)
-        starts.append(len(processor.tokenizer(prompt)["input_ids"]) + shift)
+        starts.append((len(processor.tokenizer(prompt)["input_ids"]), len(ims)))
     batch = processor(text=texts, images=images, return_tensors="pt", padding=True)
     if processor.tokenizer.padding_side != "right":
         raise AssertionError("labels assume right padding")
     labels = torch.full_like(batch["input_ids"], -100)
-    for row, start in enumerate(starts):
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for row, (text_start, count) in enumerate(starts):
+        # each image's one pad in the text expands to its tokens; the prompt is prefix-stable
+        start = text_start + int((batch["input_ids"][row] == pad).sum()) - count
         end = int(batch["attention_mask"][row].sum())
         labels[row, start:end] = batch["input_ids"][row, start:end]
     batch["labels"] = labels
     return batch
 
 
-def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED, save: Path | None = None) -> dict:
+def run_probe(
+    config: ProbeConfig,
+    checkpoint: Path = COMMITTED,
+    save: Path | None = None,
+    threads: int = 1,
+    vision_pretrain_steps: int = 0,
+) -> dict:
     """Fine-tune (or train) for ``config.steps`` steps; the curve of full and reuse accuracy.
-    ``save``: write the trained model there as a checkpoint with ``training.json``."""
-    torch.set_num_threads(1)
+    ``save``: write the trained model there as a checkpoint with ``training.json``.
+    ``vision_pretrain_steps`` > 0 first trains the vision tower alone on the images'
+    attributes (:func:`training.pretrain_vision.pretrain_vision`, lr 3e-4: the tower
+    is trained already, at another image size)."""
+    torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     model, processor = load_model(config, checkpoint)
     validation = [
         make_stale_example(config.variant, "validation", i, config.eval_images)
         for i in range(config.num_validation)
     ]
+    vision_pretrain = None
+    if vision_pretrain_steps > 0:
+        vision_pretrain = pretrain_vision(
+            model, processor, vision_pretrain_steps, lr=3e-4, seed=config.seed
+        )
     rng = random.Random(config.seed)
     optimizer, schedule = make_optimizer(model, config.lr, max(config.steps, 1))
     started = time.monotonic()
@@ -194,6 +224,8 @@ def run_probe(config: ProbeConfig, checkpoint: Path = COMMITTED, save: Path | No
         if step % config.eval_every == 0 or step == config.steps:
             evaluate(step, round(loss.item(), 4))
     result = {"name": config.name, "config": asdict(config), "curve": curve}
+    if vision_pretrain is not None:
+        result["vision_pretrain"] = vision_pretrain
     if save is not None:
         save_model(model, config, checkpoint, save, result)
     return result
@@ -204,6 +236,8 @@ def save_model(model, config: ProbeConfig, checkpoint: Path, out: Path, result: 
     from transformers import AutoTokenizer
 
     spec = replace(FIDELITY_SPEC, num_layers=config.layers)
+    if config.image_side:
+        spec = replace(spec, min_pixels=config.image_side**2, max_pixels=config.image_side**2)
     model.eval()
     save_checkpoint(model, AutoTokenizer.from_pretrained(checkpoint), "qwen2_vl", spec, out)
     record = {
@@ -268,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of training prompts shown as a second turn after the same images "
         "in another order",
     )
+    parser.add_argument(
+        "--image-side", type=int, default=0, help="resize images to this many pixels a side"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--vision-pretrain-steps", type=int, default=0, help="attribute pretraining of the tower"
+    )
     parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
     parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
@@ -296,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             args.init,
             args.layers,
             args.turn_fraction,
+            args.image_side,
         )
-        result = run_probe(config, args.checkpoint, args.save)
+        result = run_probe(
+            config, args.checkpoint, args.save, args.threads, args.vision_pretrain_steps
+        )
         result["command"] = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
         results[result["name"]] = result
         record_path.write_text(json.dumps(results, indent=2) + "\n")

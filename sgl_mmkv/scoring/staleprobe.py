@@ -140,10 +140,10 @@ class StaleProbeScorer(ProphetKVScorer):
     def ranking(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         """The scores, with the probes of stale images first (``+inf``: counted in the
         budget) and those of fresh images last (``-inf``)."""
-        scores = self.score(inputs)
         if inputs.probe_positions is None:
-            return scores
+            return super().score(inputs)
         z, probe, images = self.staleness(inputs)
+        scores = super().score(inputs) * z[inputs.image_ids()]
         stale = z >= self.stale_fraction * z.max()
         inf = torch.full(probe.shape, float("inf"), device=scores.device, dtype=scores.dtype)
         return scores.index_put((probe,), torch.where(stale[images], inf, -inf))

@@ -22,23 +22,29 @@ import requests
 from sgl_mmkv.cpu_support import cpu_environment
 from sgl_mmkv.refresh.faults import FAULT_FILE_ENV
 
-# Small-pool CPU settings shared by both sides of every comparison. An idle SGLang
-# scheduler busy-polls a core unless it sleeps on idle (a zmq poll that wakes on the
-# next request): on a 2-core machine two servers up at once would slow each other.
-CPU_SERVER_ARGS: tuple[str, ...] = (
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--mem-fraction-static",
-    "0.2",
-    "--max-total-tokens",
-    "4096",
-    "--random-seed",
-    "0",
-    "--enable-cache-report",
-    "--sleep-on-idle",
-)
+
+def cpu_server_args(max_total_tokens: int = 4096) -> tuple[str, ...]:
+    """The small-pool CPU settings shared by both sides of every comparison, with a KV
+    pool of ``max_total_tokens`` tokens. An idle SGLang scheduler busy-polls a core
+    unless it sleeps on idle (a zmq poll that wakes on the next request): on a 2-core
+    machine two servers up at once would slow each other."""
+    return (
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--mem-fraction-static",
+        "0.2",
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--random-seed",
+        "0",
+        "--enable-cache-report",
+        "--sleep-on-idle",
+    )
+
+
+CPU_SERVER_ARGS: tuple[str, ...] = cpu_server_args()
 
 
 def mmkv_stats(base_url: str, timeout_s: float = 60.0) -> dict:
