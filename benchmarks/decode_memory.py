@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import openai
 
 from harness.fidelity import FidelityClient
-from harness.fidelity_task import chat_messages, make_split, model_style
+from harness.fidelity_task import chat_messages, make_split, model_image_side, model_style
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.testing.images import image_part
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, REPORT_REUSE, ServerProcess, mmkv_stats
@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prepare_cpu_process()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    examples = make_split("test", args.num_requests, style=model_style(args.model_path))
+    examples = make_split(
+        "test",
+        args.num_requests,
+        style=model_style(args.model_path),
+        image_side=model_image_side(args.model_path),
+    )
     prompts = [chat_messages(e, image_part) for e in examples]
     decode = ["--mm-evict", args.evict, "--mm-kv-budget", str(args.kv_budget)]
     sides = [

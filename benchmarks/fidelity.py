@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "segment_fill": args.segment_fill,
         "evict_refresh_budget": args.evict_refresh_budget,
         "seconds": round(time.monotonic() - started, 1),
+        "pool_tokens": pool,
         "decode_compression": decode_counters,
         **to_json(summaries, records),
     }

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.fidelity_task import NEXT_QUESTIONS
+from harness.fidelity_task import NEXT_QUESTIONS, Example
 
 DEFAULT_MODEL = Path("models/fidelity-qwen2-vl-page")  # from the repository root
 FIRST_SYSTEM = "You are shown an album of pictures. Look at them carefully."
@@ -95,7 +95,11 @@ def _ask(base_url: str, messages: list[dict]) -> Turn:
 
 
 def _serve(
-    module: str, model: Path, flags: tuple[str, ...], album: list[dict], questions: dict
+    module: str,
+    model: Path,
+    flags: tuple[str, ...],
+    album: list[dict],
+    questions: dict[str, list[list[dict]]],
 ) -> tuple[dict[str, list[Turn]], str]:
     """Serve ``album`` once, then every question; ``{kind: [Turn, ...]}`` and the
     server's command line. Each turn's reuse counts are its counter deltas."""
@@ -143,7 +147,7 @@ def _table(sides: list[tuple[str, dict[str, list[Turn]]]], expected: dict[str, s
     return "\n".join(lines)
 
 
-def _reversed_answer(example) -> str:
+def _reversed_answer(example: Example) -> str:
     """The answer once the images are reversed: a ``next`` question asks about the
     image after the dotted one, which the reversal changes."""
     from harness.fidelity_task import answer_of
@@ -170,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"no model at {args.model_path}: run from the repository root or pass --model-path"
         )
+    if args.num_images < 2:
+        parser.error("--num-images must be at least 2 (the question is about the image after one)")
     if not 1 <= args.repeats <= len(NEW_SYSTEMS):
         parser.error(f"--repeats must be 1 to {len(NEW_SYSTEMS)}, got {args.repeats}")
 

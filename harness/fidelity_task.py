@@ -285,7 +285,12 @@ def _image_processor(model_path: str | Path) -> dict:
 
 
 def _fixed_pixels(image: dict) -> int:
-    return image.get("max_pixels") or image["size"]["longest_edge"]
+    """The pixels every image is resized to; the task's 112 x 112 where the processor
+    allows a range (a 112-pixel image is then kept as it is)."""
+    size = image.get("size") or {}
+    low = image.get("min_pixels") or size.get("shortest_edge")
+    high = image.get("max_pixels") or size.get("longest_edge")
+    return high if high is not None and low == high else IMAGE_SIZE**2
 
 
 def model_image_tokens(model_path: str | Path) -> int:

@@ -272,3 +272,57 @@ def test_images_are_sent_at_the_size_asked_for_and_keep_their_content():
     assert drawn.size == (112, 112) and sent.size == (224, 224)
     assert sent.tobytes() == drawn.resize((224, 224), Image.Resampling.BICUBIC).tobytes()
     assert leading_image(page).render().size == (224, 224)
+
+
+def test_a_processor_with_a_size_range_keeps_the_task_size(tmp_path):
+    """Only a fixed processor size (min == max) sets the image side; a range (the
+    tiny models' default 56^2..224^2) keeps a 112-pixel image at 112, 16 tokens."""
+    import json
+
+    from harness.fidelity_task import model_image_side, model_image_tokens
+
+    config = {"image_processor": {"size": {"shortest_edge": 56 * 56, "longest_edge": 224 * 224},
+                                  "patch_size": 14, "merge_size": 2}}  # fmt: skip
+    (tmp_path / "processor_config.json").write_text(json.dumps(config))
+    assert (model_image_side(tmp_path), model_image_tokens(tmp_path)) == (112, 16)
+
+
+def test_images_sent_at_224_are_what_the_processor_trained_the_page_model_on():
+    """The page model was trained on 112-pixel drawings its processor resized to 224;
+    served, it gets 224-pixel images: the pixel values reaching the tower are equal."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoProcessor
+
+    from training.staleness_probes import set_image_side
+
+    root = Path(__file__).resolve().parent.parent / "models"
+    trained = AutoProcessor.from_pretrained(root / "fidelity-qwen2-vl-next")
+    set_image_side(trained, 224)
+    served = AutoProcessor.from_pretrained(root / "fidelity-qwen2-vl-page")
+    for image in make_example("test", 11, num_images=3, style="next").images:
+        a = trained.image_processor(images=[image.render()], return_tensors="pt")
+        big = replace(image, side=224).render()
+        b = served.image_processor(images=[big], return_tensors="pt")
+        assert a["image_grid_thw"].tolist() == b["image_grid_thw"].tolist() == [[1, 16, 16]]
+        assert torch.allclose(a["pixel_values"], b["pixel_values"], atol=1e-5)
+
+
+def test_the_demo_expects_the_answer_the_reversal_gives():
+    """A ``next`` question asks about the image after the dotted one: reversed, that
+    is the image before it; a dotted first image leaves none after it."""
+    from harness.demo import _reversed_answer
+
+    example = make_example("test", 3, num_images=4, style="next")
+    dotted = next(i for i, im in enumerate(example.images) if im.marked)
+    assert example.answer == answer_of(example.images[dotted + 1], example.qtype)
+    if dotted > 0:
+        assert _reversed_answer(example) == answer_of(example.images[dotted - 1], example.qtype)
+    first_dotted = next(
+        e for i in range(50)
+        if (e := make_example("test", i, num_images=3, style="next")).images[0].marked
+    )  # fmt: skip
+    assert _reversed_answer(first_dotted).startswith("(none")
+    marked = make_example("test", 3, num_images=4, style="marked")
+    assert _reversed_answer(marked) == marked.answer

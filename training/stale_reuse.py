@@ -105,7 +105,9 @@ def record_image_kv(model, splicer: KVSplicer, encoded: Encoded) -> list[dict[st
 def _per_image(kv: list[dict[str, torch.Tensor]], count: int) -> list[list[dict]]:
     """Split recorded KV into one per-layer list per image (prompt order; every image
     of a prompt has the same token count, the processor's fixed size)."""
-    span = kv[0]["k"].shape[0] // count
+    span, rest = divmod(kv[0]["k"].shape[0], count)
+    if rest:
+        raise ValueError(f"{kv[0]['k'].shape[0]} image tokens do not split into {count} images")
     return [
         [{n: t[i * span : (i + 1) * span] for n, t in layer.items()} for layer in kv]
         for i in range(count)
