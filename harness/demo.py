@@ -9,10 +9,11 @@ staleprobe --mm-refresh-budget auto`` at its default cost gate, one server at a
 time. Each side first reads the images under one system prompt, then is asked the
 question under ``--repeats`` other system prompts (same image order: stock reuses
 no image KV, the prefix changed; sgl_mmkv reuses every image and its probe finds
-them fresh), then once more with the images reversed (stale for this model:
-sgl_mmkv's probe finds it, and the cost gate serves what would cost more than a
-full prefill as stock). It prints each answer, the cached / reused / refreshed
-token counts and the median time to first token. Nothing is downloaded.
+them fresh), then once more with the images reversed (stale for this model: each
+image would be probed and possibly refreshed whole, which bounds the request above a
+full prefill, so the cost gate serves it as stock). It prints each answer, the
+cached / reused / refreshed token counts and the median time to first token.
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -220,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[demo] done in {time.monotonic() - started:.0f} s. Stock caches only the shared "
         "chat-template tokens; sgl_mmkv reuses every image's KV under a new prefix. Where "
-        "the images come back in another order the probe finds them stale; refreshing them "
-        "would cost more than a full prefill, so the cost gate serves that request as stock."
+        "the images come back in another order every one of them is probed and may need a "
+        "whole refresh; that bound costs more than a full prefill, so the cost gate serves "
+        "the request as stock."
     )
     return 0
 
