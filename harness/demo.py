@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.fidelity_task import NEXT_QUESTIONS, Example
+from harness.fidelity_task import NEXT_QUESTIONS, Example, answer_of
 
 DEFAULT_MODEL = Path("models/fidelity-qwen2-vl-page")  # from the repository root
 FIRST_SYSTEM = "You are shown an album of pictures. Look at them carefully."
@@ -151,8 +151,6 @@ def _table(sides: list[tuple[str, dict[str, list[Turn]]]], expected: dict[str, s
 def _reversed_answer(example: Example) -> str:
     """The answer once the images are reversed: a ``next`` question asks about the
     image after the dotted one, which the reversal changes."""
-    from harness.fidelity_task import answer_of
-
     images = example.images[::-1]
     dotted = next((i for i, image in enumerate(images) if image.marked), None)
     if example.question not in NEXT_QUESTIONS_TEXT or dotted is None:

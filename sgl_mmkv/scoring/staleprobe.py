@@ -112,8 +112,7 @@ class StaleProbeScorer(ProphetKVScorer):
         sizes = torch.tensor(lengths, dtype=torch.long, device=inputs.device)
         quota = torch.tensor(quotas, dtype=torch.long, device=inputs.device) * stale
         ids = inputs.image_ids()
-        alpha = ProphetKVScorer.score(self, inputs)
-        ranking = (alpha * z[ids]).float().index_fill(0, probe, float("inf"))
+        ranking = self._weighted(inputs, z).float().index_fill(0, probe, float("inf"))
         by_score = torch.argsort(ranking, descending=True, stable=True)
         order = by_score[torch.argsort(ids[by_score], stable=True)]  # by image, then score
         starts = torch.cumsum(sizes, 0) - sizes
@@ -130,12 +129,15 @@ class StaleProbeScorer(ProphetKVScorer):
         z = z.index_add(0, images, inputs.probe_deviation.float().sum(dim=0))
         return z, probe, images
 
+    def _weighted(self, inputs: ScoringInputs, z: torch.Tensor) -> torch.Tensor:
+        """ProphetKV's ``(N_v,)`` attention mass times each token's image's ``z``."""
+        return super().score(inputs) * z[inputs.image_ids()]
+
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        alpha = super().score(inputs)
         if inputs.probe_positions is None:
-            return alpha
+            return super().score(inputs)
         z, _, _ = self.staleness(inputs)
-        return alpha * z[inputs.image_ids()]
+        return self._weighted(inputs, z)
 
     def ranking(self, inputs: ScoringInputs, budget: float) -> torch.Tensor:
         """The scores, with the probes of stale images first (``+inf``: counted in the
@@ -143,7 +145,7 @@ class StaleProbeScorer(ProphetKVScorer):
         if inputs.probe_positions is None:
             return super().score(inputs)
         z, probe, images = self.staleness(inputs)
-        scores = super().score(inputs) * z[inputs.image_ids()]
+        scores = self._weighted(inputs, z)
         stale = z >= self.stale_fraction * z.max()
         inf = torch.full(probe.shape, float("inf"), device=scores.device, dtype=scores.dtype)
         return scores.index_put((probe,), torch.where(stale[images], inf, -inf))
