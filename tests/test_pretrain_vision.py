@@ -50,6 +50,25 @@ def test_labels_and_shapes(model_and_processor):
     assert 70 < marked < 130  # half of the images carry the dot
 
 
+def test_attention_reader_reads_one_weighted_mean_per_attribute():
+    """The ``attention`` reader: logits are the head applied to a softmax-weighted mean
+    of the image's tokens under the attribute's query; equal tokens read as that token."""
+    torch.manual_seed(0)
+    heads = AttributeHeads(8, tokens_per_image=4, reader="attention")
+    tokens = torch.randn(3, 4, 8)
+    logits = heads(tokens)
+    for index, (name, head) in enumerate(heads.heads.items()):
+        weights = (tokens @ heads.queries[index] / 8**0.5).softmax(-1)  # (3, 4)
+        expected = head((weights[..., None] * tokens).sum(1))
+        torch.testing.assert_close(logits[name], expected)
+        assert logits[name].shape == (3, ATTRIBUTES[name])
+    same = torch.randn(1, 1, 8).expand(2, 4, 8)
+    for name, head in heads.heads.items():
+        torch.testing.assert_close(heads(same)[name], head(same[:, 0]))
+    with pytest.raises(ValueError, match="unknown reader"):
+        AttributeHeads(8, reader="mean")
+
+
 @pytest.mark.slow  # a training run
 def test_short_pretraining_learns_attributes_and_leaves_the_decoder(model_and_processor):
     model, processor = model_and_processor

@@ -107,3 +107,46 @@ def test_page_sized_images_are_64_tokens_and_labels_stay_the_answer():
     assert processor.tokenizer.decode(ids[encoded.prompt_tokens :]) == (
         examples[1].answer + "<|im_end|>\n"
     )
+
+
+def _config(**changes):
+    from dataclasses import replace
+
+    from training.staleness_probes import ProbeConfig
+
+    base = ProbeConfig("next", 1, 4, 1e-3, 2, 3, 2, 1, 2, 0, "committed", 4)
+    return replace(base, **changes)
+
+
+def test_kind_fraction_draws_kind_questions_and_zero_replays_old_recipes():
+    import random
+
+    from harness.fidelity_task import KINDS
+    from training.staleness_probes import draw_training_example
+    from training.staleness_tasks import make_stale_example
+
+    rng, replay = random.Random(5), random.Random(5)
+    for _ in range(20):  # kind_fraction 0: exactly the draws the old loop made
+        index, images = replay.randrange(10**9), replay.randint(2, 3)
+        expected = make_stale_example("next", "train", index, images)
+        assert draw_training_example(_config(), rng) == expected
+    rng = random.Random(0)
+    answers = [draw_training_example(_config(kind_fraction=1.0), rng).answer for _ in range(30)]
+    assert all(answer in KINDS for answer in answers)
+    rng = random.Random(1)
+    half = [draw_training_example(_config(kind_fraction=0.5), rng).answer for _ in range(300)]
+    share = sum(answer in KINDS for answer in half) / len(half)
+    assert 0.55 < share < 0.78  # 0.5 + 0.5 / 3 = 0.67
+
+
+def test_freeze_vision_trains_the_decoder_only(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from training.staleness_probes import run_probe
+
+    before = AutoModelForImageTextToText.from_pretrained(MODEL).state_dict()
+    run_probe(_config(freeze_vision=True, num_validation=1), MODEL, save=tmp_path / "m")
+    after = AutoModelForImageTextToText.from_pretrained(tmp_path / "m").state_dict()
+    vision = [k for k in before if "visual" in k]
+    assert vision and all(torch.equal(before[k], after[k]) for k in vision)
+    assert any(not torch.equal(before[k], after[k]) for k in before if "visual" not in k)

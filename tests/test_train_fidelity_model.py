@@ -54,6 +54,25 @@ def test_follow_up_labels_are_the_answers_of_every_turn(processor):
             assert prefix.endswith("<|im_start|>assistant\n")
 
 
+def test_labels_follow_the_processor_at_64_tokens_per_image(processor):
+    """At 224 pixels a side every image is 64 tokens: the answer labels still cover
+    exactly the answers (the shift is counted in the processed row, not assumed)."""
+    from copy import deepcopy
+
+    from training.staleness_probes import set_image_side
+
+    page = deepcopy(processor)
+    set_image_side(page, 224)
+    examples = [make_example("train", i, num_images=2 + i % 3) for i in range(4)]
+    batch = collate(page, examples, random.Random(0), follow_ups=1)
+    pad = page.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for row, example in enumerate(examples):
+        assert int((batch["input_ids"][row] == pad).sum()) == 64 * len(example.images)
+        answers = page.tokenizer.decode(batch["input_ids"][row][batch["labels"][row] != -100])
+        assert answers.startswith(example.answer + "<|im_end|>\n")
+        assert answers.count("<|im_end|>") == 2
+
+
 @pytest.mark.slow  # a training run
 def test_short_run_then_continue(tmp_path):
     first = train(

@@ -63,22 +63,37 @@ def draw_images(rng: random.Random, count: int, split: str = "train") -> list[Sh
     ]
 
 
-class AttributeHeads(torch.nn.Module):
-    """One linear classifier per attribute over an image's flattened merged tokens."""
+HEAD_READERS = ("flat", "attention")
 
-    def __init__(self, hidden_size: int, tokens_per_image: int = 16) -> None:
+
+class AttributeHeads(torch.nn.Module):
+    """One linear classifier per attribute over an image's merged tokens, read
+    ``flat`` (all tokens concatenated: an attribute may be spread over positions) or by
+    ``attention`` (a learned query per attribute, softmax over the image's tokens, then
+    the weighted mean: one attention head's reading, which is what the decoder can do;
+    at 64 tokens per image a flat probe reads shape kinds the decoder never learns to)."""
+
+    def __init__(self, hidden_size: int, tokens_per_image: int = 16, reader: str = "flat") -> None:
         super().__init__()
+        if reader not in HEAD_READERS:
+            raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(HEAD_READERS)}")
+        self.reader = reader
+        width = hidden_size if reader == "attention" else tokens_per_image * hidden_size
         self.heads = torch.nn.ModuleDict(
-            {
-                name: torch.nn.Linear(tokens_per_image * hidden_size, classes)
-                for name, classes in ATTRIBUTES.items()
-            }
+            {name: torch.nn.Linear(width, classes) for name, classes in ATTRIBUTES.items()}
         )
+        if reader == "attention":
+            self.queries = torch.nn.Parameter(torch.randn(len(ATTRIBUTES), hidden_size) * 0.02)
 
     def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """``tokens``: ``(N, tokens_per_image, hidden)`` -> ``{attribute: (N, classes)}``."""
-        flat = tokens.flatten(1)
-        return {name: head(flat) for name, head in self.heads.items()}
+        if self.reader == "flat":
+            flat = tokens.flatten(1)
+            return {name: head(flat) for name, head in self.heads.items()}
+        scale = tokens.shape[-1] ** -0.5
+        weights = torch.einsum("nth,ah->nat", tokens, self.queries).mul(scale).softmax(-1)
+        read = torch.einsum("nat,nth->nah", weights, tokens)  # (N, attributes, hidden)
+        return {name: head(read[:, i]) for i, (name, head) in enumerate(self.heads.items())}
 
 
 def merged_tokens(model, processor, images: list[ShapeImage]) -> torch.Tensor:
@@ -113,16 +128,19 @@ def pretrain_vision(
     seed: int = 0,
     num_validation: int = 200,
     log_every: int = 50,
+    reader: str = "flat",
 ) -> dict:
-    """Train ``model``'s vision tower (and merger) with :class:`AttributeHeads` for
-    ``steps`` steps of ``batch_size`` single images; the language model is untouched.
-    Returns the recipe and the held-out accuracy per attribute along the way."""
+    """Train ``model``'s vision tower (and merger) with :class:`AttributeHeads` reading
+    its tokens by ``reader`` for ``steps`` steps of ``batch_size`` single images; the
+    language model is untouched. Returns the recipe and the held-out accuracy per
+    attribute along the way."""
     rng = random.Random(seed * 7919 + 1)
     device = next(model.parameters()).device
     validation = draw_images(random.Random(seed * 7919 + 2), num_validation, split="validation")
     with torch.no_grad():
         tokens_per_image = merged_tokens(model, processor, validation[:1]).shape[1]
-    heads = AttributeHeads(model.config.text_config.hidden_size, tokens_per_image).to(device)
+    heads = AttributeHeads(model.config.text_config.hidden_size, tokens_per_image, reader)
+    heads = heads.to(device)
     visual = model.model.visual
     optimizer = torch.optim.AdamW(
         [*visual.parameters(), *heads.parameters()], lr=lr, weight_decay=0.01
@@ -155,6 +173,7 @@ def pretrain_vision(
         "batch_size": batch_size,
         "lr": lr,
         "tokens_per_image": tokens_per_image,
+        "reader": reader,
         "seconds": round(time.monotonic() - started),
         "validation_accuracy": history[-1]["val"] if history else None,
         "history": history,

@@ -45,7 +45,13 @@ def image_tokens(model_path: Path, images: list[ShapeImage], batch: int = 100) -
         merged_tokens(model, processor, images[start : start + batch]).float()
         for start in range(0, len(images), batch)
     ]
-    return torch.cat(chunks)
+    tokens = torch.cat(chunks)
+    if tokens.shape[1] != GRID.numel():
+        raise ValueError(
+            f"{model_path} gives {tokens.shape[1]} tokens per image; the quadrant probes "
+            f"assume the 4 x 4 grid of a 112-pixel image ({GRID.numel()} tokens)"
+        )
+    return tokens
 
 
 def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, steps: int = 400) -> float:

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from harness.fidelity_task import REMEMBER, two_turns
+from harness.fidelity_task import KINDS, REMEMBER, two_turns
 from sgl_mmkv.testing.make_tiny_model import build_untrained, save_checkpoint
-from training.pretrain_vision import pretrain_vision
+from training.pretrain_vision import HEAD_READERS, pretrain_vision
 from training.stale_reuse import CONTEXTS, staleness_accuracy
 from training.staleness_tasks import VARIANT_NAMES, StaleExample, make_stale_example, stale_messages
 from training.train_fidelity_model import (
@@ -69,6 +69,11 @@ class ProbeConfig:
     # image side in pixels the processor resizes every image to (0: the checkpoint's);
     # 224 gives (224 / 28) ** 2 = 64 tokens per image
     image_side: int = 0
+    # share of training prompts drawn again until they ask a shape kind (the question a
+    # 64-token image makes hardest); 0 draws nothing extra, so old recipes replay
+    kind_fraction: float = 0.0
+    # train the decoder only, the vision tower as it is after any attribute pretraining
+    freeze_vision: bool = False
 
     @property
     def name(self) -> str:
@@ -172,18 +177,35 @@ def training_batch(
     return batch
 
 
+def draw_training_example(config: ProbeConfig, rng: random.Random) -> StaleExample:
+    """One training prompt; with probability ``config.kind_fraction`` one that asks a
+    shape kind (drawn again until it does)."""
+    want_kind = config.kind_fraction > 0 and rng.random() < config.kind_fraction
+    while True:
+        example = make_stale_example(
+            config.variant,
+            "train",
+            rng.randrange(10**9),
+            rng.randint(config.min_images, config.max_images),
+        )
+        if not want_kind or example.answer in KINDS:
+            return example
+
+
 def run_probe(
     config: ProbeConfig,
     checkpoint: Path = COMMITTED,
     save: Path | None = None,
     threads: int = 1,
     vision_pretrain_steps: int = 0,
+    vision_pretrain_lr: float = 3e-4,
+    vision_reader: str = "flat",
 ) -> dict:
     """Fine-tune (or train) for ``config.steps`` steps; the curve of full and reuse accuracy.
     ``save``: write the trained model there as a checkpoint with ``training.json``.
     ``vision_pretrain_steps`` > 0 first trains the vision tower alone on the images'
-    attributes (:func:`training.pretrain_vision.pretrain_vision`, lr 3e-4: the tower
-    is trained already, at another image size)."""
+    attributes (:func:`training.pretrain_vision.pretrain_vision` at ``vision_pretrain_lr``,
+    its heads reading the tokens by ``vision_reader``)."""
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     model, processor = load_model(config, checkpoint)
@@ -194,8 +216,16 @@ def run_probe(
     vision_pretrain = None
     if vision_pretrain_steps > 0:
         vision_pretrain = pretrain_vision(
-            model, processor, vision_pretrain_steps, lr=3e-4, seed=config.seed
+            model,
+            processor,
+            vision_pretrain_steps,
+            lr=vision_pretrain_lr,
+            seed=config.seed,
+            reader=vision_reader,
         )
+    if config.freeze_vision:
+        for parameter in model.model.visual.parameters():
+            parameter.requires_grad_(False)
     rng = random.Random(config.seed)
     optimizer, schedule = make_optimizer(model, config.lr, max(config.steps, 1))
     started = time.monotonic()
@@ -210,15 +240,7 @@ def run_probe(
     evaluate(0, None)
     model.train()
     for step in range(1, config.steps + 1):
-        examples = [
-            make_stale_example(
-                config.variant,
-                "train",
-                rng.randrange(10**9),
-                rng.randint(config.min_images, config.max_images),
-            )
-            for _ in range(config.batch_size)
-        ]
+        examples = [draw_training_example(config, rng) for _ in range(config.batch_size)]
         batch = training_batch(processor, examples, rng, config.turn_fraction)
         loss = training_step(model, batch, optimizer, schedule)
         if step % config.eval_every == 0 or step == config.steps:
@@ -309,6 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vision-pretrain-steps", type=int, default=0, help="attribute pretraining of the tower"
     )
+    parser.add_argument("--vision-pretrain-lr", type=float, default=3e-4)
+    parser.add_argument(
+        "--vision-reader",
+        choices=HEAD_READERS,
+        default="flat",
+        help="how the pretraining heads read an image's tokens",
+    )
+    parser.add_argument(
+        "--kind-fraction",
+        type=float,
+        default=0.0,
+        help="share of training prompts drawn again until they ask a shape kind",
+    )
+    parser.add_argument(
+        "--freeze-vision", action="store_true", help="train the decoder only (after pretraining)"
+    )
     parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
     parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
@@ -338,9 +376,17 @@ def main(argv: list[str] | None = None) -> int:
             args.layers,
             args.turn_fraction,
             args.image_side,
+            args.kind_fraction,
+            args.freeze_vision,
         )
         result = run_probe(
-            config, args.checkpoint, args.save, args.threads, args.vision_pretrain_steps
+            config,
+            args.checkpoint,
+            args.save,
+            args.threads,
+            args.vision_pretrain_steps,
+            args.vision_pretrain_lr,
+            args.vision_reader,
         )
         result["command"] = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
         results[result["name"]] = result

@@ -21,13 +21,12 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from harness.fidelity_task import (
-    IMAGE_SIZE,
     MAX_IMAGES,
     QUESTION_STYLES,
     QUESTION_TYPES,
@@ -119,30 +118,30 @@ def collate(
     """A padded batch whose labels are the answer tokens (each with its closing
     ``<|im_end|>\n``) only. The byte-level pre-tokenizer splits at the newline that
     ends each prompt, so a prefix of the text tokenizes to a prefix of the tokens;
-    every image pad expands to ``tokens_per_image`` tokens before the answers."""
+    every image's one pad expands to the processor's tokens per image before the answers
+    (counted in the processed row, so any image size labels right)."""
     tokenizer = processor.tokenizer
-    tokens_per_image = (IMAGE_SIZE // 28) ** 2
-    fulls, images, row_spans = [], [], []
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    fulls, images, row_spans, row_images = [], [], [], []
     for example in examples:
         full, spans, ims = render_training_text(processor, example, rng, follow_ups, as_text)
         fulls.append(full)
         images.extend(ims)
-        shift = len(ims) * (tokens_per_image - 1)
+        row_images.append(len(ims))
         row_spans.append(
             [
-                (
-                    len(tokenizer(full[:start])["input_ids"]) + shift,
-                    len(tokenizer(full[:end])["input_ids"]) + shift,
-                )
+                (len(tokenizer(full[:start])["input_ids"]), len(tokenizer(full[:end])["input_ids"]))
                 for start, end in spans
             ]
         )
     batch = processor(text=fulls, images=images or None, return_tensors="pt", padding=True)
     labels = torch.full_like(batch["input_ids"], -100)
     for row, spans in enumerate(row_spans):
+        shift = int((batch["input_ids"][row] == pad).sum()) - row_images[row]
         for start, end in spans:
-            labels[row, start:end] = batch["input_ids"][row, start:end]
-        if spans[-1][1] != int(batch["attention_mask"][row].sum()):
+            first, last = start + shift, end + shift
+            labels[row, first:last] = batch["input_ids"][row, first:last]
+        if spans[-1][1] + shift != int(batch["attention_mask"][row].sum()):
             raise AssertionError("answer spans do not end at the row's last token")
     batch["labels"] = labels
     return batch
@@ -275,15 +274,20 @@ def train(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     earlier: list[dict] = []
+    spec = FIDELITY_SPEC
     if init_from is not None:
         model = AutoModelForImageTextToText.from_pretrained(init_from).to(torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(init_from)
         record_path = Path(init_from) / "training.json"
         if record_path.exists():
-            earlier = json.loads(record_path.read_text()).get("phases", [])
+            record = json.loads(record_path.read_text())
+            earlier = record.get("phases", [])
+            # the checkpoint's own sizes (its image side above all), not the default's
+            spec = replace(FIDELITY_SPEC, **record.get("spec", {}))
+            spec = replace(spec, mrope_section=tuple(spec.mrope_section))
     else:
         model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)
-    staging = save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
+    staging = save_checkpoint(model, tokenizer, "qwen2_vl", spec, out)
     processor = AutoProcessor.from_pretrained(staging)
     validation = [make_example("validation", i, style=style) for i in range(num_validation)]
 
@@ -323,7 +327,7 @@ def train(
             print(json.dumps(entry), flush=True)
     model.eval()
     model.to("cpu")
-    save_checkpoint(model, tokenizer, "qwen2_vl", FIDELITY_SPEC, out)
+    save_checkpoint(model, tokenizer, "qwen2_vl", spec, out)
     phase = {
         "init_from": str(init_from) if init_from else None,
         "steps": steps,
@@ -343,7 +347,7 @@ def train(
     phases = [*earlier, phase]
     record = {
         "arch": "qwen2_vl",
-        "spec": asdict(FIDELITY_SPEC),
+        "spec": asdict(spec),
         "style": style,
         "total_steps": sum(p["steps"] for p in phases),
         "total_train_seconds": sum(p["train_seconds"] for p in phases),
