@@ -161,3 +161,26 @@ def test_start_together_starts_every_server_and_stops_all_when_one_fails(tmp_pat
     with pytest.raises(RuntimeError, match="server exited with 1"):
         start_together(mixed, timeout_s=30)
     assert all(server.process.poll() is not None for server in mixed)
+
+
+SILENT_SERVER = """
+import time
+time.sleep(600)  # never answers /health
+"""
+
+
+def test_start_together_reports_a_failure_without_waiting_for_the_others(tmp_path, fake_server_env):
+    """One server that exits at once beside one that never gets ready: the error comes
+    at once (not at the other's timeout) and both are stopped."""
+    import time
+
+    (tmp_path / "silent_server.py").write_text(SILENT_SERVER)
+    servers = [
+        ServerProcess("silent_server", "m", env=fake_server_env, log_path=tmp_path / "silent"),
+        ServerProcess("no_such_module", "m", env=fake_server_env, log_path=tmp_path / "bad"),
+    ]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        start_together(servers, timeout_s=120)
+    assert time.monotonic() - started < 30
+    assert all(server.process.poll() is not None for server in servers)
