@@ -45,6 +45,7 @@ from training.train_fidelity_model import (
 )
 
 COMMITTED = Path("models/fidelity-qwen2-vl-marked")
+KIND_DRAWS = 200  # a third of a kind-asking variant's prompts ask one
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ def draw_training_example(config: ProbeConfig, rng: random.Random) -> StaleExamp
     """One training prompt; with probability ``config.kind_fraction`` one that asks a
     shape kind (drawn again until it does)."""
     want_kind = config.kind_fraction > 0 and rng.random() < config.kind_fraction
-    while True:
+    for _ in range(KIND_DRAWS):
         example = make_stale_example(
             config.variant,
             "train",
@@ -190,6 +191,7 @@ def draw_training_example(config: ProbeConfig, rng: random.Random) -> StaleExamp
         )
         if not want_kind or example.answer in KINDS:
             return example
+    raise ValueError(f"--kind-fraction: variant {config.variant!r} asks no shape kinds")
 
 
 def run_probe(
