@@ -138,6 +138,8 @@ def test_kind_fraction_draws_kind_questions_and_zero_replays_old_recipes():
     half = [draw_training_example(_config(kind_fraction=0.5), rng).answer for _ in range(300)]
     share = sum(answer in KINDS for answer in half) / len(half)
     assert 0.55 < share < 0.78  # 0.5 + 0.5 / 3 = 0.67
+    assert _config(kind_fraction=0.5, freeze_vision=True).name == "next-kind0.5-frozen"
+    assert _config().name == "next"  # old probes keep their names
     with pytest.raises(ValueError, match="asks no shape kinds"):
         draw_training_example(_config(variant="count", kind_fraction=1.0), rng)
 

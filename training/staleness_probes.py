@@ -46,6 +46,7 @@ from training.train_fidelity_model import (
 
 COMMITTED = Path("models/fidelity-qwen2-vl-marked")
 KIND_DRAWS = 200  # a third of a kind-asking variant's prompts ask one
+VARIANTS_WITHOUT_KINDS = ("repeat", "count")  # their answers are backgrounds and counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,8 @@ class ProbeConfig:
     # 224 gives (224 / 28) ** 2 = 64 tokens per image
     image_side: int = 0
     # share of training prompts drawn again until they ask a shape kind (the question a
-    # 64-token image makes hardest); 0 draws nothing extra, so old recipes replay
+    # 64-token image makes hardest), on top of the third that ask one anyway (0.5 gives
+    # about 0.67 kind questions); 0 draws nothing extra, so old recipes replay
     kind_fraction: float = 0.0
     # train the decoder only, the vision tower as it is after any attribute pretraining
     freeze_vision: bool = False
@@ -82,7 +84,9 @@ class ProbeConfig:
         depth = "" if self.layers == FIDELITY_SPEC.num_layers else f"-{self.layers}L"
         turns = f"-turns{self.turn_fraction:g}" if self.turn_fraction else ""
         side = f"-{self.image_side}px" if self.image_side else ""
-        return f"{self.variant}{depth}{init}{turns}{side}"
+        kind = f"-kind{self.kind_fraction:g}" if self.kind_fraction else ""
+        frozen = "-frozen" if self.freeze_vision else ""
+        return f"{self.variant}{depth}{init}{turns}{side}{kind}{frozen}"
 
 
 def deepen(model, layers: int):
@@ -228,6 +232,7 @@ def run_probe(
     if config.freeze_vision:
         for parameter in model.model.visual.parameters():
             parameter.requires_grad_(False)
+            parameter.grad = None  # none left from the pretraining above
     rng = random.Random(config.seed)
     optimizer, schedule = make_optimizer(model, config.lr, max(config.steps, 1))
     started = time.monotonic()
@@ -359,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANT_NAMES)}")
     if args.save is not None and len(names) != 1:
         parser.error("--save takes exactly one variant")
+    if not 0.0 <= args.kind_fraction <= 1.0:
+        parser.error("--kind-fraction is a share, from 0 to 1")
+    no_kinds = sorted(set(names) & set(VARIANTS_WITHOUT_KINDS))
+    if args.kind_fraction and no_kinds:
+        parser.error(f"--kind-fraction: {', '.join(no_kinds)} never ask a shape kind")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record_path = args.out_dir / "staleness_probes.json"
     results = json.loads(record_path.read_text()) if record_path.exists() else {}

@@ -21,7 +21,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -202,8 +202,10 @@ def draw_examples(
 
 
 def make_optimizer(model, lr: float, steps: int):
-    """AdamW (weight decay 0.01) under a one-cycle schedule of ``steps`` steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    """AdamW (weight decay 0.01) under a one-cycle schedule of ``steps`` steps, over
+    the parameters that train (a frozen vision tower's are left out)."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.3, max(0.05, 2.5 / steps))
     )
@@ -283,7 +285,9 @@ def train(
             record = json.loads(record_path.read_text())
             earlier = record.get("phases", [])
             # the checkpoint's own sizes (its image side above all), not the default's
-            spec = replace(FIDELITY_SPEC, **record.get("spec", {}))
+            known = {f.name for f in fields(TinyModelSpec)}
+            sizes = {k: v for k, v in record.get("spec", {}).items() if k in known}
+            spec = replace(FIDELITY_SPEC, **sizes)
             spec = replace(spec, mrope_section=tuple(spec.mrope_section))
     else:
         model, tokenizer = build_untrained("qwen2_vl", FIDELITY_SPEC, seed)

@@ -264,21 +264,29 @@ class ServerProcess:
 
 def start_together(servers: Sequence[ServerProcess], timeout_s: float = 240.0) -> None:
     """Start ``servers`` at once: their start-ups overlap (two took 33 s together
-    against 48 s one after the other on a 2-core machine). The first one to fail stops
-    every one at once (the others' waits then end, not at their timeouts), and its
-    error is raised."""
-    with ThreadPoolExecutor(len(servers)) as pool:
-        futures = [pool.submit(server.start, timeout_s) for server in servers]
+    against 48 s one after the other on a 2-core machine). The first one to fail (or
+    an interrupt) stops every one at once, so the others' waits end then, not at their
+    timeouts; its error is raised."""
+
+    def stop_all() -> None:
+        for server in servers:
+            server.stop()
+
+    pool = ThreadPoolExecutor(len(servers))
+    futures = [pool.submit(server.start, timeout_s) for server in servers]
+    first: BaseException | None = None
+    ok = False
+    try:
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         first = next((f.exception() for f in done if f.exception() is not None), None)
-        if first is not None:
-            for server in servers:
-                server.stop()
-    if first is None:
-        first = next((f.exception() for f in futures if f.exception() is not None), None)
+        ok = first is None
+    finally:
+        if not ok:
+            stop_all()
+        pool.shutdown(wait=True)
+        if not ok:
+            stop_all()  # one a port retry spawned after the first stop
     if first is not None:
-        for server in servers:  # one a retry spawned after the stop above
-            server.stop()
         raise first
 
 
