@@ -140,8 +140,26 @@ def test_kind_fraction_draws_kind_questions_and_zero_replays_old_recipes():
     assert 0.55 < share < 0.78  # 0.5 + 0.5 / 3 = 0.67
     assert _config(kind_fraction=0.5, freeze_vision=True).name == "next-kind0.5-frozen"
     assert _config().name == "next"  # old probes keep their names
-    with pytest.raises(ValueError, match="asks no shape kinds"):
-        draw_training_example(_config(variant="count", kind_fraction=1.0), rng)
+    with pytest.raises(ValueError, match="count never asks a shape kind"):
+        _config(variant="count", kind_fraction=1.0)
+    with pytest.raises(ValueError, match="a share, from 0 to 1"):
+        _config(kind_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--variants", "next,count", "--kind-fraction", "0.5"], "--kind-fraction: count never"),
+        (["--variants", "next", "--kind-fraction", "-0.1"], "--kind-fraction is a share"),
+    ],
+)
+def test_the_command_line_refuses_a_kind_fraction_its_probes_cannot_use(argv, message, capsys):
+    from training.staleness_probes import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_freeze_vision_trains_the_decoder_only(tmp_path):
@@ -155,3 +173,56 @@ def test_freeze_vision_trains_the_decoder_only(tmp_path):
     vision = [k for k in before if "visual" in k]
     assert vision and all(torch.equal(before[k], after[k]) for k in vision)
     assert any(not torch.equal(before[k], after[k]) for k in before if "visual" not in k)
+
+
+def _record(steps: int, seconds: int, **extra) -> dict:
+    config = {"steps": steps, "variant": "next"}
+    return {"spec": {"side": steps}, "config": config, "curve": [{"s": seconds}], **extra}
+
+
+def test_append_phase_keeps_every_phase_and_sums_them():
+    from training.staleness_probes import append_phase
+
+    first = _record(100, 10, init_from="a", total_train_seconds=10, vision_pretrain={"k": 1})
+    second = append_phase(first, _record(50, 5, total_train_seconds=5), "b", "cmd 2")
+    assert [p["config"]["steps"] for p in second["phases"]] == [100, 50]
+    assert [p.get("command") for p in second["phases"]] == [None, "cmd 2"]
+    assert second["phases"][1]["init_from"] == "b"
+    assert (second["total_steps"], second["total_train_seconds"]) == (150, 15)
+    assert second["config"]["steps"] == 50 and second["spec"] == {"side": 50}
+    assert second["vision_pretrain"] == {"k": 1}  # the tower of phase 1, still the model's
+    pretrained = _record(20, 2, total_train_seconds=2, vision_pretrain={"k": 3})
+    third = append_phase(second, pretrained, "c", "cmd 3")
+    assert len(third["phases"]) == 3 and third["phases"][:2] == second["phases"]
+    assert (third["total_steps"], third["vision_pretrain"]) == (170, {"k": 3})
+
+
+def test_append_to_trains_on_and_appends_the_run(tmp_path, monkeypatch):
+    import json
+    from dataclasses import asdict
+
+    import training.staleness_probes as probes
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "training.json").write_text(json.dumps(_record(100, 10, total_train_seconds=10)))
+
+    def fake_run_probe(config, checkpoint, save, *args):
+        point = {"step": 3, "loss": 1.0, "s": 7, "full": 0.5}
+        point.update({c: 0.5 for c in probes.CONTEXTS})
+        result = {"name": config.name, "config": asdict(config), "curve": [point]}
+        latest = {"spec": {"side": 224}, **result, "total_train_seconds": 7}
+        (save / "training.json").write_text(json.dumps(latest))
+        return result
+
+    monkeypatch.setattr(probes, "run_probe", fake_run_probe)
+    argv = ["--variants", "next", "--steps", "3", "--checkpoint", "ckpt"]
+    argv += ["--append-to", str(model), "--out-dir", str(tmp_path / "out")]
+    assert probes.main(argv) == 0
+    record = json.loads((model / "training.json").read_text())
+    assert [p["config"]["steps"] for p in record["phases"]] == [100, 3]
+    assert record["phases"][1]["init_from"] == "ckpt"
+    assert record["phases"][1]["command"].endswith(f"--append-to {model} --out-dir {tmp_path}/out")
+    assert record["total_train_seconds"] == 17 and record["spec"] == {"side": 224}
+    with pytest.raises(SystemExit):
+        probes.main([*argv, "--save", str(tmp_path / "other")])

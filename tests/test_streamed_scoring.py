@@ -22,18 +22,11 @@ import torch
 
 pytest.importorskip("sglang")
 
-from sglang.srt.model_executor.forward_context import get_forward_context  # noqa: E402
-
 from sgl_mmkv.refresh.attention_backend import RefreshAttentionBackend  # noqa: E402
-from sgl_mmkv.refresh.context import ExtendContext  # noqa: E402
 from sgl_mmkv.refresh.cost import scoring_rows  # noqa: E402
-from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot  # noqa: E402
-from sgl_mmkv.refresh.flops import DecoderShape  # noqa: E402
 from sgl_mmkv.refresh.observer import ObservingBackend, PrefillObserver  # noqa: E402
-from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan  # noqa: E402
 from sgl_mmkv.refresh.ranker import VisualRanker  # noqa: E402
 from sgl_mmkv.refresh.row_kv import row_kv  # noqa: E402
-from sgl_mmkv.refresh.row_view import RowView  # noqa: E402
 from sgl_mmkv.refresh.selection import TokenSelector  # noqa: E402
 from sgl_mmkv.refresh.sub_batch import active_sub_batch  # noqa: E402
 from sgl_mmkv.scoring import (  # noqa: E402
@@ -43,165 +36,17 @@ from sgl_mmkv.scoring import (  # noqa: E402
     make_eviction_scorer,
     make_refresh_scorer,
 )
-from sgl_mmkv.segments.store import Segment  # noqa: E402
-
-H_Q, H_KV, D, LAYERS, HIDDEN = 4, 2, 16, 3, 12
-SLOTS = 256
-BUDGET = 0.3
-POOL_ROWS = [3, 1]
-
-
-class Pool:
-    """``token_to_kv_pool``: per-layer ``(slots, H_kv, D)`` K and V."""
-
-    def __init__(self, g: torch.Generator) -> None:
-        self.k = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(LAYERS)]
-
-    @property
-    def layer_num(self) -> int:
-        return LAYERS
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[layer.layer_id][loc.loc] = k.view(-1, H_KV, D)
-        self.v[layer.layer_id][loc.loc] = v.view(-1, H_KV, D)
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
-
-
-def _segment(n: int, kept: list[int] | None = None) -> Segment:
-    slots = torch.arange(len(kept) if kept is not None else n)
-    kept_t = None if kept is None else torch.tensor(kept)
-    return Segment(("s", n), slots, torch.arange(n)[None], kept=kept_t)
-
-
-def _plans() -> tuple[RequestPlan, RequestPlan]:
-    """Request 0: a whole image and a compressed one computed fresh where it lacks
-    tokens; request 1: a compressed image whose missing tokens are holes, and a whole
-    one. Text around them, a tail of text after the last image."""
-    spans0 = (
-        ReuseSpan(6, 18, _segment(12), 3),
-        ReuseSpan(20, 28, _segment(8, [0, 2, 3, 5, 6]), -2),
-    )
-    visual0 = torch.zeros(40 - 2, dtype=torch.bool)
-    visual0[6 - 2 : 18 - 2] = visual0[20 - 2 : 28 - 2] = True
-    plan0 = RequestPlan(0, 2, 40, spans0, (), visual0, ((6, 18), (20, 28)))
-    spans1 = (
-        ReuseSpan(4, 16, _segment(12, [0, 1, 3, 4, 6, 7, 8, 10, 11]), 5),
-        ReuseSpan(18, 26, _segment(8), 1),
-    )
-    visual1 = torch.zeros(34, dtype=torch.bool)
-    visual1[4:16] = visual1[18:26] = True
-    plan1 = RequestPlan(1, 0, 34, spans1, (), visual1, ((4, 16), (18, 26)), holes=True)
-    return plan0, plan1
-
-
-class FakeModel:
-    """Plays the layers of a pass: each token's q / k / v at a layer is a fixed
-    function of its KV slot; hidden states (for the observer) likewise."""
-
-    def __init__(self, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed + 100)
-        self.q = [torch.randn(SLOTS, H_Q * D, generator=g) for _ in range(LAYERS)]
-        self.k = [torch.randn(SLOTS, H_KV * D, generator=g) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, H_KV * D, generator=g) for _ in range(LAYERS)]
-        self.hidden = [torch.randn(SLOTS, HIDDEN, generator=g) for _ in range(LAYERS)]
-        self.layers = [
-            SimpleNamespace(
-                layer_id=i,
-                tp_q_head_num=H_Q,
-                tp_k_head_num=H_KV,
-                qk_head_dim=D,
-                v_head_dim=D,
-                scaling=D**-0.5,
-            )
-            for i in range(LAYERS)
-        ]
-
-    def run(self, batch, backend, observer: PrefillObserver | None = None):
-        loc = batch.out_cache_loc
-        for layer in self.layers:
-            i = layer.layer_id
-            if observer is not None:
-                observer.observe_hidden(i, self.hidden[i][loc], batch)
-            backend.forward(self.q[i][loc], self.k[i][loc], self.v[i][loc], layer, batch)
-        return loc.float()
-
-    def run_extend(self, sub):
-        return self.run(sub, get_forward_context().attn_backend)
-
-
-def _mode():
-    def no() -> bool:
-        return False
-
-    return SimpleNamespace(is_idle=no, is_decode=no, is_mixed=no)
-
-
-def _setup(seed: int = 0):
-    """A fresh pool (stale segment KV everywhere, NaN in the holes' slots), the
-    batch of both plans, the context."""
-    g = torch.Generator().manual_seed(seed)
-    pool = Pool(g)
-    plans = _plans()
-    req_to_token = torch.zeros(4, 48, dtype=torch.int32)
-    slots = torch.randperm(SLOTS, generator=g)
-    start = 0
-    for row, plan in zip(POOL_ROWS, plans, strict=True):
-        req_to_token[row, : plan.seq_len] = slots[start : start + plan.seq_len].to(torch.int32)
-        start += plan.seq_len
-    holes = plans[1].rows(plans[1].hole_mask())
-    for layer in range(LAYERS):
-        pool.k[layer][req_to_token[POOL_ROWS[1], holes].long()] = float("nan")
-        pool.v[layer][req_to_token[POOL_ROWS[1], holes].long()] = float("nan")
-    lens = [p.extend_len for p in plans]
-    out_cache_loc = torch.cat(
-        [
-            req_to_token[row, p.prefix_len : p.seq_len].long()
-            for row, p in zip(POOL_ROWS, plans, strict=True)
-        ]
-    )
-    n = out_cache_loc.numel()
-    batch = SimpleNamespace(
-        forward_mode=_mode(),
-        seq_lens_cpu=torch.tensor([p.seq_len for p in plans]),
-        seq_lens=torch.tensor([p.seq_len for p in plans]),
-        req_pool_indices=torch.tensor(POOL_ROWS),
-        out_cache_loc=out_cache_loc,
-        input_ids=torch.arange(n),
-        positions=torch.arange(n),
-        mrope_positions=None,
-        extend_seq_lens=torch.tensor(lens),
-        extend_seq_lens_cpu=lens,
-        extend_logprob_start_lens_cpu=None,
-        return_logprob=False,
-        input_embeds=None,
-        forward_metadata_ready=False,
-        mark_forward_metadata_ready=lambda: None,
-        moe_num_token_non_padded=None,
-    )
-    model = FakeModel(seed)
-    runner = SimpleNamespace(
-        token_to_kv_pool=pool,
-        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-        model=None,
-        attn_backend=None,
-    )
-    ctx = ExtendContext(
-        run_extend=model.run_extend,
-        model_runner=runner,
-        forward_batch=batch,
-        plans=plans,
-        views=tuple(RowView.of(p) for p in plans),
-        shape=DecoderShape(LAYERS, H_Q * D, 4 * H_Q * D, H_Q, H_KV, D, 64),
-        embeddings=EmbeddingPass(full_batch=batch),
-        embedding_slot=EmbeddingSlot(),
-    )
-    return ctx, model
+from tests.fake_extend import (  # noqa: E402
+    BUDGET,
+    H_KV,
+    H_Q,
+    HIDDEN,
+    LAYERS,
+    POOL_ROWS,
+    D,
+)
+from tests.fake_extend import plans as _plans  # noqa: E402
+from tests.fake_extend import setup as _setup  # noqa: E402
 
 
 def _recording(scorer):
@@ -223,7 +68,7 @@ def _select(scorer, whole_row: bool):
     if whole_row:
         scorer.layer_reduction = lambda: None  # the copy-every-layer reference path
     counters = SimpleNamespace(executed_flops=0)
-    selected = TokenSelector(scorer, BUDGET, None, counters).select(ctx)
+    selected = TokenSelector(scorer, BUDGET, None, counters).select(ctx).tokens
     return selected, seen, ctx
 
 
@@ -302,7 +147,7 @@ def test_deviation_scorers_copy_their_layers_of_the_reused_tokens_and_equal_whol
 
     scorer, seen = _recording(make_refresh_scorer(name))
     counters = SimpleNamespace(executed_flops=0)
-    chosen = TokenSelector(scorer, BUDGET, Restore(), counters).select(ctx)
+    chosen = TokenSelector(scorer, BUDGET, Restore(), counters).select(ctx).tokens
     reference = make_refresh_scorer(name)
     for i, inputs in enumerate(seen):
         whole = ScoringInputs(
@@ -347,7 +192,7 @@ def test_staleprobe_probes_in_the_scoring_pass_and_keeps_the_probes(same_shift):
     stale_k, stale_v = [k.clone() for k in pool.k], [v.clone() for v in pool.v]
     scorer, seen = _recording(make_refresh_scorer("staleprobe"))
     counters = SimpleNamespace(executed_flops=0)
-    chosen = TokenSelector(scorer, BUDGET, None, counters).select(ctx)
+    chosen = TokenSelector(scorer, BUDGET, None, counters).select(ctx).tokens
     active = []
     for plan, inputs, picked, rows in zip(ctx.plans, seen, chosen, probes, strict=True):
         rows_t = torch.tensor(rows)

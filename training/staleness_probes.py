@@ -16,7 +16,10 @@ trained layer is followed by a new one whose output projections start at zero, s
 the deeper model starts out computing what the trained one does.
 
 Results are merged by probe name into ``staleness_probes.json`` and the table
-``staleness_probes.md`` is rewritten from all of them.
+``staleness_probes.md`` is rewritten from all of them. ``--append-to MODEL`` trains
+a model on in phases: the probe starts from ``--checkpoint``, its weights replace
+MODEL's, and its recipe, curve and command are appended to the ``phases`` of
+MODEL's ``training.json`` (:func:`append_phase`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ class ProbeConfig:
     kind_fraction: float = 0.0
     # train the decoder only, the vision tower as it is after any attribute pretraining
     freeze_vision: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kind_fraction <= 1.0:
+            raise ValueError("kind_fraction is a share, from 0 to 1")
+        if self.kind_fraction and self.variant in VARIANTS_WITHOUT_KINDS:
+            raise ValueError(f"kind_fraction: {self.variant} never asks a shape kind")
 
     @property
     def name(self) -> str:
@@ -357,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
     parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
+    parser.add_argument(
+        "--append-to",
+        type=Path,
+        help="a model with a training.json: the trained weights replace its own and the "
+        "run is appended to its phases (one variant)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANT_NAMES))
@@ -364,48 +379,95 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANT_NAMES)}")
     if args.save is not None and len(names) != 1:
         parser.error("--save takes exactly one variant")
-    if not 0.0 <= args.kind_fraction <= 1.0:
-        parser.error("--kind-fraction is a share, from 0 to 1")
-    no_kinds = sorted(set(names) & set(VARIANTS_WITHOUT_KINDS))
-    if args.kind_fraction and no_kinds:
-        parser.error(f"--kind-fraction: {', '.join(no_kinds)} never ask a shape kind")
+    previous = None
+    if args.append_to is not None:
+        if args.save is not None or len(names) != 1:
+            parser.error("--append-to takes exactly one variant and no --save")
+        if not (args.append_to / "training.json").exists():
+            parser.error(f"--append-to: no training.json in {args.append_to}")
+        previous = json.loads((args.append_to / "training.json").read_text())
+    try:
+        configs = [_config_of(args, name) for name in names]
+    except ValueError as error:
+        parser.error(f"--{error}".replace("_", "-", 1))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record_path = args.out_dir / "staleness_probes.json"
     results = json.loads(record_path.read_text()) if record_path.exists() else {}
-    for name in names:
-        config = ProbeConfig(
-            name,
-            args.steps,
-            args.batch_size,
-            args.lr,
-            args.min_images,
-            args.max_images,
-            args.eval_images,
-            args.eval_every,
-            args.num_validation,
-            args.seed,
-            args.init,
-            args.layers,
-            args.turn_fraction,
-            args.image_side,
-            args.kind_fraction,
-            args.freeze_vision,
-        )
+    command = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
+    for config in configs:
         result = run_probe(
             config,
             args.checkpoint,
-            args.save,
+            args.save or args.append_to,
             args.threads,
             args.vision_pretrain_steps,
             args.vision_pretrain_lr,
             args.vision_reader,
         )
-        result["command"] = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
+        result["command"] = command
+        if previous is not None:
+            latest = json.loads((args.append_to / "training.json").read_text())
+            record = append_phase(previous, latest, str(args.checkpoint), command)
+            (args.append_to / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         results[result["name"]] = result
         record_path.write_text(json.dumps(results, indent=2) + "\n")
         (args.out_dir / "staleness_probes.md").write_text(markdown(results))
     print(markdown(results))
     return 0
+
+
+PHASE_FIELDS = ("init_from", "config", "curve", "vision_pretrain", "total_train_seconds", "command")
+
+
+def append_phase(previous: dict, latest: dict, init_from: str, command: str) -> dict:
+    """The training record of a model trained on by one more phase.
+
+    Args:
+        previous: the model's ``training.json`` before the phase (a record without
+            ``phases`` becomes the first phase).
+        latest: the record :func:`save_model` wrote for the phase.
+        init_from: the weights the phase started from; command: its command line.
+
+    The top level describes the model as it now is (the last phase's config, curve
+    and spec; the latest tower pretraining of any phase); ``phases`` lists every
+    phase in order, and the totals sum them.
+    """
+    phases = list(previous.get("phases") or [_phase(previous)])
+    phases.append(_phase({**latest, "init_from": init_from, "command": command}))
+    record = dict(previous)  # a tower pretrained in an earlier phase is still the model's
+    record.update(spec=latest["spec"], config=latest["config"], curve=latest["curve"])
+    if "vision_pretrain" in latest:
+        record["vision_pretrain"] = latest["vision_pretrain"]
+    record["total_steps"] = sum(phase["config"]["steps"] for phase in phases)
+    record["total_train_seconds"] = sum(phase["total_train_seconds"] for phase in phases)
+    record["phases"] = phases
+    return record
+
+
+def _phase(record: dict) -> dict:
+    return {key: record[key] for key in PHASE_FIELDS if key in record}
+
+
+def _config_of(args: argparse.Namespace, variant: str) -> ProbeConfig:
+    """The probe of ``variant`` the command line asks for (ValueError if it is invalid)."""
+    return ProbeConfig(
+        variant,
+        args.steps,
+        args.batch_size,
+        args.lr,
+        args.min_images,
+        args.max_images,
+        args.eval_images,
+        args.eval_every,
+        args.num_validation,
+        args.seed,
+        args.init,
+        args.layers,
+        args.turn_fraction,
+        args.image_side,
+        args.kind_fraction,
+        args.freeze_vision,
+    )
 
 
 if __name__ == "__main__":

@@ -72,6 +72,15 @@ def refresh_rows(
     return rows
 
 
+def only_last_rows(active: list[torch.Tensor]) -> bool:
+    """Whether a refresh pass over ``active`` (per request ``(extend_len,)`` bool, from
+    :func:`refresh_rows`) would compute each request's last row alone. Nothing was
+    refreshed and no earlier row is asked for, so that row's inputs and the KV it
+    attends to are those of the scoring pass, which computed it already: the scoring
+    pass's output is the batch's, and the refresh pass is not run."""
+    return all(int(rows.sum()) == 1 for rows in active)
+
+
 def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, budget: float) -> int:
     """Estimated FLOPs of serving ``plan`` with reuse, all passes (the scoring pass
     with the tokens the scorer probes).

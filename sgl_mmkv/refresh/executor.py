@@ -14,7 +14,10 @@ One batch, top to bottom (:meth:`RefreshExecutor.execute_extend`):
    fresh and selected ones, none before the first whose input changed since the
    scoring pass.
 5. **refresh** (``passes.py``): those tokens run through every layer, attending by
-   position over the whole row; its logits are the batch's output. Holes are
+   position over the whole row; its logits are the batch's output. When nothing
+   was selected and no request asks for more than its last row, that row was
+   computed by the scoring pass over the same KV, so the scoring pass's output is
+   the batch's and this pass is not run (``cost.only_last_rows``). Holes are
    handed to the row compactor.
 6. **rank, fill, report**, shared by both paths: eviction rankings of the observed
    images (``ranker.py``), new images into the store (``fill.py``), counters and
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sgl_mmkv.refresh.context import ExtendContext
-from sgl_mmkv.refresh.cost import refresh_rows, unchanged_prefix
+from sgl_mmkv.refresh.cost import only_last_rows, refresh_rows, unchanged_prefix
 from sgl_mmkv.refresh.embedding_pass import EmbeddingSlot
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.fill import SegmentFiller
@@ -155,12 +158,17 @@ class RefreshExecutor:
             self.copier.copy(ctx.model_runner, ctx.forward_batch, list(ctx.plans))
         fault_point("copy")
         with phase(self.counters, "scoring", ctx.embeddings):
-            selected = self.selector.select(ctx)
+            selection = self.selector.select(ctx)
+        selected = selection.tokens
         active = self._refresh_rows(ctx, selected)
         observer = self.ranker.observer_for(list(ctx.plans), active) if self.ranker else None
-        with phase(self.counters, "refresh", ctx.embeddings):
-            self.counters.executed_flops += ctx.pass_flops(active)
-            out = run_pass(ctx, active, observer=observer)
+        if observer is None and selection.scoring_output is not None and only_last_rows(active):
+            out = selection.scoring_output
+            self.counters.skipped_refresh_passes += 1
+        else:
+            with phase(self.counters, "refresh", ctx.embeddings):
+                self.counters.executed_flops += ctx.pass_flops(active)
+                out = run_pass(ctx, active, observer=observer)
         fault_point("refresh")
         if self.row_compactor is not None:
             self.row_compactor.plan_holes(ctx.forward_batch, list(ctx.plans))

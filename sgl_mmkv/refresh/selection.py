@@ -15,7 +15,8 @@ methods need no pass. Scorers see a row with holes through its :class:`RowView`
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -32,6 +33,23 @@ from sgl_mmkv.refresh.row_kv import row_kv, row_kv_at
 from sgl_mmkv.scoring import RefreshBudget, ScoringInputs, TokenScorer
 
 
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """What :meth:`TokenSelector.select` found.
+
+    Attributes:
+        tokens: per request, ``(k,)`` sorted row positions of the image tokens to
+            refresh, on the KV pool's device (empty for a request that reuses nothing).
+        scoring_output: the scoring pass's output (the stock extend's, for its active
+            tokens, every request's last row among them), or None without a scoring
+            pass. It is the batch's answer when the refresh pass would compute only
+            last rows over the KV this pass saw (:func:`~sgl_mmkv.refresh.cost.only_last_rows`).
+    """
+
+    tokens: list[torch.Tensor]
+    scoring_output: Any = None
+
+
 class TokenSelector:
     """Args:
     scorer: the ``--mm-reuse`` method.
@@ -46,19 +64,18 @@ class TokenSelector:
         self.copier = copier
         self.counters = counters
 
-    def select(self, ctx: ExtendContext) -> list[torch.Tensor]:
-        """Per request, ``(k,)`` sorted row positions of the image tokens to refresh, on
-        the KV pool's device (empty for a request that reuses nothing)."""
+    def select(self, ctx: ExtendContext) -> Selection:
+        """The scorer's pick of each request's reused image tokens at the budget."""
         if self.scorer.needs_fresh_kv:
-            return self._select_by_deviation(ctx)
-        capture, probes, active = None, None, None
+            return Selection(self._select_by_deviation(ctx))
+        capture, probes, active, output = None, None, None, None
         if self.scorer.needs_attention:
             probes = ProbePass(ctx, self.scorer)
             active = [scoring_rows(p.fresh_mask()) | probes.mask(p) for p in ctx.plans]
             capture = self._capture(ctx, active)
             probes.keep_stale(ctx)
             self.counters.executed_flops += ctx.pass_flops(active)
-            run_pass(ctx, active, capture=capture)
+            output = run_pass(ctx, active, capture=capture)
             fault_point("scoring")
         selected = [
             self._pick(ctx, plan, self._inputs(ctx, plan, capture, probes, active))
@@ -67,7 +84,7 @@ class TokenSelector:
             for plan in ctx.plans
         ]
         fault_point("selection")
-        return self._filled(ctx, selected)
+        return Selection(self._filled(ctx, selected), output)
 
     def _capture(self, ctx: ExtendContext, active: list[torch.Tensor]) -> QueryCapture:
         """What the scoring pass keeps: per layer statistics when the scorer has a
