@@ -108,11 +108,25 @@ def test_a_selection_runs_the_refresh_pass():
     assert executor.counters.refreshed_tokens > 0
 
 
-def test_every_row_asked_runs_the_refresh_pass():
-    """Request 0 asks input logprobs of every prompt row: the refresh pass computes all
-    of its rows, so it runs even with nothing selected (a row with holes never asks:
-    the planner serves such a request without them)."""
+def test_last_row_logprobs_still_answer_with_the_scoring_pass():
+    """Both requests ask logprobs of their last row only: one pass."""
     ctx, _ = setup(seed=3)
+    batch = ctx.forward_batch
+    batch.return_logprob = True
+    batch.extend_logprob_start_lens_cpu = [n - 1 for n in batch.extend_seq_lens_cpu]
+    ctx, passes = _counted(ctx)
+    executor = _executor("conduit", 0.0)
+    assert executor._reuse(ctx) is passes[0][1]
+    assert len(passes) == 1 and executor.counters.skipped_refresh_passes == 1
+
+
+def test_every_row_asked_runs_the_refresh_pass():
+    """Request 0 asks input logprobs of every prompt row, so the planner serves it
+    without reuse; the refresh pass must compute all of its rows, so it runs next to
+    request 1's reuse even with nothing selected."""
+    ctx, _ = setup(seed=3)
+    plan0, plan1 = ctx.plans
+    ctx = dataclasses.replace(ctx, plans=(dataclasses.replace(plan0, spans=()), plan1))
     batch = ctx.forward_batch
     batch.return_logprob = True
     batch.extend_logprob_start_lens_cpu = [0, batch.extend_seq_lens_cpu[1] - 1]
@@ -120,6 +134,6 @@ def test_every_row_asked_runs_the_refresh_pass():
     executor = _executor("conduit", 0.0)
     out = executor._reuse(ctx)
     assert len(passes) == 2
-    assert passes[1][0] == [ctx.plans[0].extend_len, 1]
+    assert passes[1][0] == [plan0.extend_len, 1]
     assert out is passes[1][1]
     assert executor.counters.skipped_refresh_passes == 0

@@ -203,26 +203,48 @@ def test_append_to_trains_on_and_appends_the_run(tmp_path, monkeypatch):
 
     import training.staleness_probes as probes
 
+    spec = asdict(probes.saved_spec(_config(layers=4)))
     model = tmp_path / "model"
     model.mkdir()
-    (model / "training.json").write_text(json.dumps(_record(100, 10, total_train_seconds=10)))
+    first = _record(100, 10, total_train_seconds=10, name="old")
+    (model / "training.json").write_text(json.dumps({**first, "spec": spec}))
+    (model / "model.safetensors").write_text("old weights")
+    started_from = []
 
     def fake_run_probe(config, checkpoint, save, *args):
+        started_from.append(checkpoint)
         point = {"step": 3, "loss": 1.0, "s": 7, "full": 0.5}
         point.update({c: 0.5 for c in probes.CONTEXTS})
         result = {"name": config.name, "config": asdict(config), "curve": [point]}
-        latest = {"spec": {"side": 224}, **result, "total_train_seconds": 7}
+        latest = {"spec": spec, "style": "staleness-next", **result, "total_train_seconds": 7}
         (save / "training.json").write_text(json.dumps(latest))
+        (save / "model.safetensors").write_text("new weights")
         return result
 
     monkeypatch.setattr(probes, "run_probe", fake_run_probe)
-    argv = ["--variants", "next", "--steps", "3", "--checkpoint", "ckpt"]
-    argv += ["--append-to", str(model), "--out-dir", str(tmp_path / "out")]
+    argv = ["--variants", "next", "--steps", "3", "--append-to", str(model)]
+    argv += ["--out-dir", str(tmp_path / "out")]
     assert probes.main(argv) == 0
+    assert started_from == [model]  # from the model itself
     record = json.loads((model / "training.json").read_text())
     assert [p["config"]["steps"] for p in record["phases"]] == [100, 3]
-    assert record["phases"][1]["init_from"] == "ckpt"
+    assert record["phases"][1]["init_from"] == str(model)
     assert record["phases"][1]["command"].endswith(f"--append-to {model} --out-dir {tmp_path}/out")
-    assert record["total_train_seconds"] == 17 and record["spec"] == {"side": 224}
-    with pytest.raises(SystemExit):
-        probes.main([*argv, "--save", str(tmp_path / "other")])
+    assert (record["total_steps"], record["total_train_seconds"]) == (103, 17)
+    assert record["name"] == "next" and record["config"]["steps"] == 3
+    assert (model / "model.safetensors").read_text() == "new weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]  # no staging left
+
+    refused = [
+        ["--save", str(tmp_path / "other")],
+        ["--checkpoint", str(tmp_path / "elsewhere")],
+        ["--init", "scratch"],
+        ["--image-side", "224"],  # the model was saved at 112 pixels
+    ]
+    for extra in refused:
+        with pytest.raises(SystemExit):
+            probes.main([*argv, *extra])
+    (model / "training.json").write_text(json.dumps({"spec": spec, "steps": 5}))
+    with pytest.raises(SystemExit):  # not a record of this script
+        probes.main(argv)
+    assert len(started_from) == 1

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -269,13 +271,19 @@ def run_probe(
     return result
 
 
+def saved_spec(config: ProbeConfig):
+    """The model spec :func:`save_model` writes for a probe of ``config``."""
+    spec = replace(FIDELITY_SPEC, num_layers=config.layers)
+    if config.image_side:
+        spec = replace(spec, min_pixels=config.image_side**2, max_pixels=config.image_side**2)
+    return spec
+
+
 def save_model(model, config: ProbeConfig, checkpoint: Path, out: Path, result: dict) -> None:
     """``model`` as a plain Qwen2-VL checkpoint, with the recipe and curve in ``training.json``."""
     from transformers import AutoTokenizer
 
-    spec = replace(FIDELITY_SPEC, num_layers=config.layers)
-    if config.image_side:
-        spec = replace(spec, min_pixels=config.image_side**2, max_pixels=config.image_side**2)
+    spec = saved_spec(config)
     model.eval()
     save_checkpoint(model, AutoTokenizer.from_pretrained(checkpoint), "qwen2_vl", spec, out)
     record = {
@@ -363,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--freeze-vision", action="store_true", help="train the decoder only (after pretraining)"
     )
-    parser.add_argument("--checkpoint", type=Path, default=COMMITTED)
+    parser.add_argument(
+        "--checkpoint", type=Path, help=f"weights to start from (default {COMMITTED})"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/staleness-probes"))
     parser.add_argument("--save", type=Path, help="write the trained model here (one variant)")
     parser.add_argument(
@@ -379,36 +389,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANT_NAMES)}")
     if args.save is not None and len(names) != 1:
         parser.error("--save takes exactly one variant")
-    previous = None
-    if args.append_to is not None:
-        if args.save is not None or len(names) != 1:
-            parser.error("--append-to takes exactly one variant and no --save")
-        if not (args.append_to / "training.json").exists():
-            parser.error(f"--append-to: no training.json in {args.append_to}")
-        previous = json.loads((args.append_to / "training.json").read_text())
     try:
         configs = [_config_of(args, name) for name in names]
     except ValueError as error:
         parser.error(f"--{error}".replace("_", "-", 1))
+    previous = None
+    if args.append_to is not None:
+        try:
+            previous = _appendable(args, configs)
+        except ValueError as error:
+            parser.error(f"--append-to: {error}")
+    checkpoint = args.checkpoint or args.append_to or COMMITTED
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record_path = args.out_dir / "staleness_probes.json"
     results = json.loads(record_path.read_text()) if record_path.exists() else {}
     command = "python -m training.staleness_probes " + " ".join(argv or sys.argv[1:])
     for config in configs:
+        staging = None if previous is None else Path(tempfile.mkdtemp(dir=args.append_to.parent))
         result = run_probe(
             config,
-            args.checkpoint,
-            args.save or args.append_to,
+            checkpoint,
+            args.save or staging,
             args.threads,
             args.vision_pretrain_steps,
             args.vision_pretrain_lr,
             args.vision_reader,
         )
         result["command"] = command
-        if previous is not None:
-            latest = json.loads((args.append_to / "training.json").read_text())
-            record = append_phase(previous, latest, str(args.checkpoint), command)
-            (args.append_to / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+        if staging is not None:
+            latest = json.loads((staging / "training.json").read_text())
+            record = append_phase(previous, latest, str(checkpoint), command)
+            (staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+            for item in staging.iterdir():  # the model's files replaced once all are written
+                os.replace(item, args.append_to / item.name)
+            staging.rmdir()
         results[result["name"]] = result
         record_path.write_text(json.dumps(results, indent=2) + "\n")
         (args.out_dir / "staleness_probes.md").write_text(markdown(results))
@@ -435,13 +449,39 @@ def append_phase(previous: dict, latest: dict, init_from: str, command: str) -> 
     phases = list(previous.get("phases") or [_phase(previous)])
     phases.append(_phase({**latest, "init_from": init_from, "command": command}))
     record = dict(previous)  # a tower pretrained in an earlier phase is still the model's
-    record.update(spec=latest["spec"], config=latest["config"], curve=latest["curve"])
+    described = ("name", "style", "spec", "config", "curve")
+    record.update({key: latest[key] for key in described if key in latest})
     if "vision_pretrain" in latest:
         record["vision_pretrain"] = latest["vision_pretrain"]
     record["total_steps"] = sum(phase["config"]["steps"] for phase in phases)
     record["total_train_seconds"] = sum(phase["total_train_seconds"] for phase in phases)
     record["phases"] = phases
     return record
+
+
+def _appendable(args: argparse.Namespace, configs: list[ProbeConfig]) -> dict:
+    """``args.append_to``'s training record, if the run can be appended to it: one
+    variant trained on from the model itself, saved with the model's own spec."""
+    model = args.append_to
+    if args.save is not None or len(configs) != 1:
+        raise ValueError("takes exactly one variant and no --save")
+    if args.checkpoint is not None and args.checkpoint.resolve() != model.resolve():
+        raise ValueError("trains on from the model itself: leave --checkpoint out")
+    if configs[0].init == "scratch":
+        raise ValueError("trains on from the model's weights, not --init scratch")
+    path = model / "training.json"
+    if not path.exists():
+        raise ValueError(f"no training.json in {model}")
+    previous = json.loads(path.read_text())
+    phases = previous.get("phases") or [previous]
+    if not all("config" in phase and "total_train_seconds" in phase for phase in phases):
+        raise ValueError(f"{path} is not a record of training.staleness_probes")
+    spec, saved = asdict(saved_spec(configs[0])), previous.get("spec", {})
+    changed = [k for k in ("num_layers", "min_pixels", "max_pixels") if saved.get(k) != spec[k]]
+    if changed:
+        found = ", ".join(f"{key}={saved.get(key)}" for key in changed)
+        raise ValueError(f"the model was saved with {found}; pass --image-side / --layers to match")
+    return previous
 
 
 def _phase(record: dict) -> dict:

@@ -74,10 +74,11 @@ def refresh_rows(
 
 def only_last_rows(active: list[torch.Tensor]) -> bool:
     """Whether a refresh pass over ``active`` (per request ``(extend_len,)`` bool, from
-    :func:`refresh_rows`) would compute each request's last row alone. Nothing was
-    refreshed and no earlier row is asked for, so that row's inputs and the KV it
-    attends to are those of the scoring pass, which computed it already: the scoring
-    pass's output is the batch's, and the refresh pass is not run."""
+    :func:`refresh_rows`) would compute each request's last row alone: no token before
+    it was refreshed (it may itself be a selected image token, where a chunk ends
+    inside an image) and no earlier row is asked for. That row's inputs and the KV it
+    attends to are then those of the scoring pass, which computed it already, so the
+    scoring pass's output is the batch's and the refresh pass is not run."""
     return all(int(rows.sum()) == 1 for rows in active)
 
 

@@ -14,11 +14,11 @@ One batch, top to bottom (:meth:`RefreshExecutor.execute_extend`):
    fresh and selected ones, none before the first whose input changed since the
    scoring pass.
 5. **refresh** (``passes.py``): those tokens run through every layer, attending by
-   position over the whole row; its logits are the batch's output. When nothing
-   was selected and no request asks for more than its last row, that row was
-   computed by the scoring pass over the same KV, so the scoring pass's output is
-   the batch's and this pass is not run (``cost.only_last_rows``). Holes are
-   handed to the row compactor.
+   position over the whole row; its logits are the batch's output. When it would
+   compute each request's last row alone (nothing selected before it, no earlier
+   row asked for), the scoring pass computed those rows over the same KV, so its
+   output is the batch's and this pass is not run (``cost.only_last_rows``). Holes
+   are handed to the row compactor.
 6. **rank, fill, report**, shared by both paths: eviction rankings of the observed
    images (``ranker.py``), new images into the store (``fill.py``), counters and
    per-request facts (``report.py``).
@@ -159,13 +159,15 @@ class RefreshExecutor:
         fault_point("copy")
         with phase(self.counters, "scoring", ctx.embeddings):
             selection = self.selector.select(ctx)
-        selected = selection.tokens
+        selected, scored = selection.tokens, selection.scoring_output
+        del selection
         active = self._refresh_rows(ctx, selected)
         observer = self.ranker.observer_for(list(ctx.plans), active) if self.ranker else None
-        if observer is None and selection.scoring_output is not None and only_last_rows(active):
-            out = selection.scoring_output
+        if observer is None and scored is not None and only_last_rows(active):
+            out = scored
             self.counters.skipped_refresh_passes += 1
         else:
+            scored = None  # not held through the refresh pass
             with phase(self.counters, "refresh", ctx.embeddings):
                 self.counters.executed_flops += ctx.pass_flops(active)
                 out = run_pass(ctx, active, observer=observer)

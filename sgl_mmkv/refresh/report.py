@@ -36,7 +36,7 @@ class RefreshCounters(Counters):
     declined_reuses: int = 0
     stock_batches: int = 0  # batches with reuse run as stock (every row's outputs asked)
     fallbacks: int = 0  # forwards our path failed, served again by the stock extend
-    skipped_refresh_passes: int = 0  # nothing refreshed: the scoring pass's output stood
+    skipped_refresh_passes: int = 0  # last rows alone to run: the scoring pass's output stood
     recomputed_tokens: int = 0
     executed_flops: int = 0
     full_prefill_flops: int = 0

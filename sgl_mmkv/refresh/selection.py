@@ -43,7 +43,8 @@ class Selection:
         scoring_output: the scoring pass's output (the stock extend's, for its active
             tokens, every request's last row among them), or None without a scoring
             pass. It is the batch's answer when the refresh pass would compute only
-            last rows over the KV this pass saw (:func:`~sgl_mmkv.refresh.cost.only_last_rows`).
+            last rows over the KV this pass saw
+            (:func:`~sgl_mmkv.refresh.cost.only_last_rows`).
     """
 
     tokens: list[torch.Tensor]
