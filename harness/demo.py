@@ -12,14 +12,16 @@ no image KV, the prefix changed; sgl_mmkv reuses every image and its probe finds
 them fresh), then once more with the images reversed (stale for this model: each
 image would be probed and possibly refreshed whole, which bounds the request above a
 full prefill, so the cost gate serves it as stock). It prints each answer, the
-cached / reused / refreshed token counts and the median time to first token.
+cached / reused / refreshed token counts and, from SGLang's own request timestamps
+(``--enable-metrics`` on both sides, ``return_meta_info``), the median time to first
+token and its two largest stages: the tokenizer's (image loading, processing and
+hashing, the same work on both sides) and the prefill forward (what reuse shortens).
 Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,20 +47,22 @@ MMKV_FLAGS = ("--mm-reuse", "staleprobe", "--mm-refresh-budget", "auto", "--mm-r
 
 @dataclass(slots=True)
 class Turn:
-    """What one side answered to the question turn."""
+    """What one side answered to the question turn, and its stages in ms."""
 
     answer: str
-    ttft_ms: float
+    ttft_ms: float  # request received to first token, by the server's clock
+    tokenizer_ms: float  # received to dispatched to the scheduler
+    prefill_ms: float  # forward entry to prefill finished
     prompt_tokens: int
     cached_tokens: int
-    reused_tokens: int
-    refreshed_tokens: int
+    reused_tokens: int = 0
+    refreshed_tokens: int = 0
     declined_reuses: int = 0  # image matches the cost gate served as stock
 
 
 def _ask(base_url: str, messages: list[dict]) -> Turn:
-    """Stream one greedy reply; the time to its first token is measured here (the
-    reuse counts are filled in from the server's counters by the caller)."""
+    """One greedy reply with SGLang's request timestamps (the reuse counts are filled
+    in from the server's counters by the caller)."""
     import requests
 
     body = {
@@ -66,32 +70,21 @@ def _ask(base_url: str, messages: list[dict]) -> Turn:
         "messages": messages,
         "max_tokens": 8,
         "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "return_meta_info": True,
     }
-    start = time.perf_counter()
-    ttft, text, usage = None, "", {}
-    with requests.post(base_url + "/v1/chat/completions", json=body, stream=True) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - start
-                text += piece
-            usage = chunk.get("usage") or usage
-    details = usage.get("prompt_tokens_details") or {}
+    r = requests.post(base_url + "/v1/chat/completions", json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+    choice = r.json()["choices"][0]
+    meta = choice["meta_info"]
+    received = meta["request_received_ts"]
     return Turn(
-        answer=text.strip(),
-        ttft_ms=1000 * (ttft if ttft is not None else time.perf_counter() - start),
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        cached_tokens=int(details.get("cached_tokens") or 0),
-        reused_tokens=0,
-        refreshed_tokens=0,
+        answer=(choice["message"]["content"] or "").strip(),
+        ttft_ms=1000 * meta["first_token_latency"],
+        tokenizer_ms=1000 * (meta["api_server_dispatch_finish_ts"] - received),
+        prefill_ms=1000 * (meta["prefill_finished_time"] - meta["forward_entry_time"]),
+        prompt_tokens=int(meta["prompt_tokens"]),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
     )
 
 
@@ -106,7 +99,7 @@ def _serve(
     server's command line. Each turn's reuse counts are its counter deltas."""
     from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
 
-    server = ServerProcess(module, model, [*CPU_SERVER_ARGS, *flags])
+    server = ServerProcess(module, model, [*CPU_SERVER_ARGS, "--enable-metrics", *flags])
     command = "python " + " ".join(server.command[1:])
     print(f"[demo] $ {command}", flush=True)
     turns: dict[str, list[Turn]] = {}
@@ -125,12 +118,12 @@ def _serve(
 
 def _table(sides: list[tuple[str, dict[str, list[Turn]]]], expected: dict[str, str]) -> str:
     """One row per server and question kind: the answers, the first turn's token
-    counts and the median TTFT over that kind's turns; ``expected``: each kind's answer."""
+    counts and the medians over that kind's turns; ``expected``: each kind's answer."""
     head = (
         "| question | server | answers | prompt tokens | cached | reused image | refreshed "
-        "| declined by the gate | TTFT ms, median (min-max) |"
+        "| declined by the gate | TTFT ms, median (min-max) | tokenizer ms | prefill forward ms |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     kinds = list(sides[0][1])
     for kind in kinds:
         for name, turns in sides:
@@ -142,8 +135,9 @@ def _table(sides: list[tuple[str, dict[str, list[Turn]]]], expected: dict[str, s
                 f"| {kind} | {name} | {first.answer!r} ({right} of {len(asked)} right) "
                 f"| {first.prompt_tokens} | {first.cached_tokens} | {first.reused_tokens} "
                 f"| {first.refreshed_tokens} | {first.declined_reuses} "
-                f"| {statistics.median(times):.0f} "
-                f"({min(times):.0f}-{max(times):.0f}) |"
+                f"| {statistics.median(times):.0f} ({min(times):.0f}-{max(times):.0f}) "
+                f"| {statistics.median(t.tokenizer_ms for t in asked):.0f} "
+                f"| {statistics.median(t.prefill_ms for t in asked):.0f} |"
             )
     return "\n".join(lines)
 

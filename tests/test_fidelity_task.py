@@ -326,3 +326,23 @@ def test_the_demo_expects_the_answer_the_reversal_gives():
     assert _reversed_answer(first_dotted).startswith("(none")
     marked = make_example("test", 3, num_images=4, style="marked")
     assert _reversed_answer(marked) == marked.answer
+
+
+def test_the_demo_table_gives_each_sides_medians_and_right_answers():
+    from harness.demo import Turn, _table
+
+    def turn(answer: str, ttft: float, tokenizer: float, prefill: float) -> Turn:
+        return Turn(answer, ttft, tokenizer, prefill, 324, 5, reused_tokens=256)
+
+    stock = {"q": [turn("red", 90, 60, 30), turn("blue", 80, 50, 28), turn("red", 99, 70, 31)]}
+    mmkv = {"q": [turn("red", 70, 55, 12), turn("red", 75, 60, 14), turn("red", 60, 45, 10)]}
+    rows = _table([("stock", stock), ("mmkv", mmkv)], {"q": "red"}).splitlines()
+    assert rows[0].endswith("| TTFT ms, median (min-max) | tokenizer ms | prefill forward ms |")
+    assert (
+        rows[2]
+        == "| q | stock | 'red' (2 of 3 right) | 324 | 5 | 256 | 0 | 0 | 90 (80-99) | 60 | 30 |"
+    )
+    assert (
+        rows[3]
+        == "| q | mmkv | 'red' (3 of 3 right) | 324 | 5 | 256 | 0 | 0 | 70 (60-75) | 55 | 12 |"
+    )
