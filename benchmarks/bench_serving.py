@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 import torch
 
 from harness.mixed_traces import Mix, mixed_requests, read_labels, write_mixed_trace
+from harness.scheduler_profile import Sampler
 from harness.servers import (
     STOCK,
     build_side,
@@ -59,6 +61,7 @@ from harness.servers import (
 from harness.serving_report import (
     flops_delta,
     format_mixed,
+    format_time_split,
     per_request,
     plot,
     summarise_mixed,
@@ -110,6 +113,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mix-text-words", type=int, default=200)
     parser.add_argument("--mix-max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--profile-rate",
+        type=int,
+        default=0,
+        help="py-spy samples per second of each side's processes over each trace (0: off)",
+    )
     parser.add_argument("--replot", type=Path, default=None, help="redraw from this JSON")
     parser.add_argument("--server-args", default=None, help="given to every side")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/bench-serving"))
@@ -273,11 +282,19 @@ def _commit() -> str:
     return (sha or "unknown") + ("+dirty" if dirty else "")
 
 
-def _measure(side, model: Path, run: ClientRun, where: Path) -> tuple[dict, dict]:
-    """One client run: ``(the client's record, the side's prefill FLOPs over it)``."""
+def _measure(
+    side, model: Path, run: ClientRun, where: Path, profile_rate: int
+) -> tuple[dict, dict, dict | None]:
+    """One client run: ``(the client's record, the side's prefill FLOPs over it, where
+    its processes spent it)``, the last None unless ``profile_rate``."""
     before = side.mmkv_stats()
-    result = run_client(side.base_url, model, run, where)
-    return result, flops_delta(before, side.mmkv_stats())
+    if not profile_rate:
+        result = run_client(side.base_url, model, run, where)
+        return result, flops_delta(before, side.mmkv_stats()), None
+    prefix = where / f"py-spy-{run.label}-c{run.concurrency}"
+    with Sampler(side.process.pid, profile_rate, prefix) as sampler:
+        result = run_client(side.base_url, model, run, where)
+    return result, flops_delta(before, side.mmkv_stats()), sampler.result()
 
 
 def _sha256(path: Path) -> str:
@@ -305,7 +322,7 @@ def run_rounds(args, model: Path, shared: list[str], modes: list[str], traces, m
                 for run, mix, load in cells + planned_mixed_runs(args, mixed, r):
                     load_average = [round(x, 2) for x in os.getloadavg()]
                     try:
-                        result, flops = _measure(side, model, run, where)
+                        result, flops, spent = _measure(side, model, run, where, args.profile_rate)
                     except RuntimeError as exc:
                         failed.append(f"round {r} {name} {run.label}/c{run.concurrency}: {exc}")
                         print(f"FAILED: {failed[-1]}", file=sys.stderr)
@@ -316,6 +333,8 @@ def run_rounds(args, model: Path, shared: list[str], modes: list[str], traces, m
                         record |= {"mix": mix, "load": load, "request_rate": run.request_rate}
                         record |= {"trace": str(run.trace), "trace_sha256": _sha256(run.trace)}
                         record["requests"] = per_request(result, read_labels(run.trace))
+                    if spent is not None:
+                        record["profile"] = spent
                     records.append(record | {"result": result, "flops": flops})
                     shown = ", ".join(f"{m} {result[m]:.1f}" for m in METRICS)
                     print(
@@ -347,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot is not None:
         print(draw(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
         return 0
+    if args.profile_rate and shutil.which("py-spy") is None:
+        raise SystemExit("--profile-rate needs py-spy (pip install py-spy)")
     model, shared, cuda = prepare_bench(args.model_path, args.server_args)
     modes = [m for m in args.modes.split(",") if m]
     traces: dict[str, Path] = {}
@@ -419,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out_dir / "bench_serving.json").write_text(json.dumps(report, indent=1))
     tables = [format_rows(rows) if rows else "", format_mixed(mixed_rows) if mixed_rows else ""]
+    tables.append(format_time_split(mixed_rows))
     table = "\n\n".join(t for t in tables if t)
     loads = meta["load_average"]
     header = f"commit {meta['commit']}; {meta['machine']}; load average {loads}\n\n"

@@ -23,10 +23,7 @@ import json
 import platform
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
@@ -36,6 +33,7 @@ from profile_reuse import one_token_meta
 
 from harness import workloads as wl
 from harness.client import run_requests
+from harness.scheduler_profile import Sampler, samples
 from harness.servers import STOCK, build_side, command_lines, prepare_bench
 
 # Frame name (a substring of py-spy's "function (file:line)") -> operation; the
@@ -83,23 +81,13 @@ def pass_of(stack: str) -> str | None:
 def breakdown(raw: Path, rate: int, num_requests: int) -> dict[str, dict[str, float]]:
     """``pass -> operation -> ms per request`` from py-spy's raw (collapsed) output."""
     ms: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.Counter())
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
+    for stack, count in samples(raw):
         passed = pass_of(stack)
         if passed is None:
             continue  # the scheduler's own loop, idle polling
         operation = classify(stack, OPERATIONS, "other")
-        ms[passed][operation] += 1e3 * int(count) / rate / num_requests
+        ms[passed][operation] += 1e3 * count / rate / num_requests
     return {p: dict(sorted(ops.items())) for p, ops in ms.items()}
-
-
-def _scheduler_pid(launcher_pid: int) -> int:
-    for child in psutil.Process(launcher_pid).children(recursive=True):
-        if "scheduler" in child.name() or "scheduler" in " ".join(child.cmdline()):
-            return child.pid
-    raise RuntimeError("no scheduler process under the server")
 
 
 def _tokens(base_url: str, request: wl.BenchRequest) -> dict:
@@ -113,24 +101,14 @@ def _tokens(base_url: str, request: wl.BenchRequest) -> dict:
 
 def profile_side(name: str, args, model: Path, shared: list[str]) -> dict:
     side = build_side(name, model, shared, args.out_dir, args.mm_refresh_budget)
-    raw = args.out_dir / f"py-spy-{name}.txt"
     with side.process:
         run_requests(side.base_url, wl.pool_warmup(args.pool_size, args.image_size), 1, 1)
         batch = wl.doc_qa(args.num_requests + 1, args.images, args.pool_size, args.image_size, 7)
         one_token_meta(side.base_url, batch[0])
-        spy = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(_scheduler_pid(side.process.pid))]
-            + ["--rate", str(args.rate), "--format", "raw", "--nonblocking", "-o", str(raw)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        time.sleep(1.0)  # attached
-        started = time.perf_counter()
-        tokens = [_tokens(side.base_url, request) for request in batch[1:]]
-        seconds = (time.perf_counter() - started) / args.num_requests
-        spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
-        spy.wait(timeout=60)
-    passes = breakdown(raw, args.rate, args.num_requests)
+        with Sampler(side.process.pid, args.rate, args.out_dir / f"py-spy-{name}") as sampler:
+            tokens = [_tokens(side.base_url, request) for request in batch[1:]]
+        seconds = sampler.result()["wall_s"] / args.num_requests
+    passes = breakdown(sampler.raw["scheduler"], args.rate, args.num_requests)
     print(f"{name}: {1e3 * seconds:,.0f} ms per request; {json.dumps(passes)}", flush=True)
     return {"ms_per_request": 1e3 * seconds, "passes": passes, "tokens": tokens}
 

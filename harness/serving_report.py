@@ -12,6 +12,13 @@ prefill FLOPs: what stock's extends would have computed over what sgl_mmkv's pas
 computed (the scheduler's ``full_prefill_flops`` and ``executed_flops`` counters,
 read before and after the trace), as for the doc-QA bound in docs/performance.md.
 Decode and the vision encoder are not in it.
+
+With ``--profile-rate`` each side's scheduler is sampled over the trace
+(:mod:`harness.scheduler_profile`), and a mode's row also has the trace's **time
+bound**: stock's wall time per request with only its extend forward shrunk to the
+mode's FLOPs fraction (decode, the vision encoder, the scheduler's own work and the
+HTTP process kept as stock spent them), over stock's wall time. It is the FLOPs bound
+with what the FLOPs bound leaves out measured instead of ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 
 from harness.mixed_traces import KINDS
 from harness.report import percentile
+from harness.scheduler_profile import PARTS
 from harness.servers import STOCK
 
 
@@ -85,7 +93,25 @@ def _side_row(records: list[dict]) -> dict:
     if flops:
         executed = sum(f["executed"] for f in flops)
         row["flops_bound"] = sum(f["full"] for f in flops) / executed if executed else 1.0
+    if all("profile" in r for r in records) and row["completed"]:
+        row["seconds_per_request"] = _seconds_per_request(records, row["completed"])
     return row
+
+
+def _seconds_per_request(records: list[dict], completed: int) -> dict[str, float]:
+    """Wall time (the client's duration) and each sampled part per completed request."""
+    total = {"wall": sum(r["result"]["duration"] for r in records)}
+    for part in PARTS:
+        total[part] = sum(r["profile"]["scheduler_s"][part] for r in records)
+    total["http"] = sum(r["profile"]["http_busy_s"] for r in records)
+    return {k: round(v / completed, 4) for k, v in total.items()}
+
+
+def time_bound(stock: dict[str, float], flops_fraction: float) -> float:
+    """Stock's wall time per request over the same with its extend forward scaled by
+    ``flops_fraction`` (``stock``: :func:`_seconds_per_request`'s dict)."""
+    kept = stock["wall"] - stock["extend"] * (1.0 - flops_fraction)
+    return stock["wall"] / kept
 
 
 def _p50(requests: list[dict]) -> float | None:
@@ -130,6 +156,13 @@ def _compare(row: dict, base: dict, stock: list[dict], ours: list[dict]) -> None
     row["itl_p50_vs_stock"] = row["itl_p50_ms"] / base["itl_p50_ms"]
     if "flops_bound" in row:
         row["share_of_bound"] = ratio / row["flops_bound"]
+    spent, stock_spent = row.get("seconds_per_request"), base.get("seconds_per_request")
+    if "flops_bound" in row and spent and stock_spent:
+        fraction = 1.0 / row["flops_bound"]
+        row["time_bound"] = time_bound(stock_spent, fraction)
+        row["share_of_time_bound"] = ratio / row["time_bound"]
+        if stock_spent["extend"]:
+            row["extend_over_flops_share"] = spent["extend"] / (fraction * stock_spent["extend"])
 
 
 def format_mixed(rows: list[dict]) -> str:
@@ -153,6 +186,31 @@ def format_mixed(rows: list[dict]) -> str:
             f"| {r['itl_p50_ms']:,.0f} / {r['itl_p99_ms']:,.0f} | {kinds} | {vs} "
             f"| {_fmt(r, 'p99_ttft_speedup', '{:.2f}x')} | {_fmt(r, 'flops_bound', '{:.2f}x')} "
             f"| {_fmt(r, 'share_of_bound', '{:.2f}')} | {_fmt(r, 'itl_p50_vs_stock', '{:.3f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def format_time_split(rows: list[dict]) -> str:
+    """Markdown: per profiled mix, load and side, the seconds per request of the wall
+    and of each sampled part, and a mode's time bound, its share, and its extend time
+    over its FLOPs share of stock's; empty if nothing was profiled."""
+    rows = [r for r in rows if "seconds_per_request" in r]
+    if not rows:
+        return ""
+    parts = ("wall", *PARTS, "http")
+    lines = [
+        "| mix | load | side | "
+        + " | ".join(f"{p} s/req" for p in parts)
+        + " | time bound | share of time bound | extend / FLOPs share |",
+        "|" + "---|" * (len(parts) + 6),
+    ]
+    for r in rows:
+        spent = r["seconds_per_request"]
+        lines.append(
+            f"| {r['mix']} | {r['load']} | {r['side']} | "
+            + " | ".join(f"{spent[p]:.3f}" for p in parts)
+            + f" | {_fmt(r, 'time_bound', '{:.2f}x')} | {_fmt(r, 'share_of_time_bound', '{:.2f}')}"
+            f" | {_fmt(r, 'extend_over_flops_share', '{:.2f}')} |"
         )
     return "\n".join(lines)
 
