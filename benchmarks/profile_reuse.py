@@ -22,16 +22,15 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
 
-import requests
 import torch
 
 from harness import workloads as wl
 from harness.client import run_requests
+from harness.meta_info import chat_with_meta, request_stages
 from harness.servers import (
     STOCK,
     build_side,
@@ -61,19 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def stages(meta: dict, client_s: float) -> dict[str, float]:
-    """SGLang's stages of one request in ms from its meta info (``--enable-metrics``)."""
-    received = meta["request_received_ts"]
-    dispatched = meta["api_server_dispatch_finish_ts"]
-    entered = meta["forward_entry_time"]
-    prefilled = meta["prefill_finished_time"]
-    first = meta.get("first_token_latency", prefilled - received)
-    return {
-        "client_ttft": 1e3 * client_s,
-        "tokenizer": 1e3 * (dispatched - received),
-        "queue": 1e3 * (entered - dispatched),
-        "prefill_forward": 1e3 * (prefilled - entered),
-        "after_prefill": 1e3 * (first - (prefilled - received)),
-    }
+    """SGLang's stages of one request in ms from its meta info (``--enable-metrics``),
+    and the client's time to its one token."""
+    server = request_stages(meta)
+    kept = ("tokenizer", "queue", "prefill_forward", "after_prefill")
+    return {"client_ttft": 1e3 * client_s} | {k: server[k] for k in kept}
 
 
 def executor_phases(before: dict, after: dict) -> dict[str, float]:
@@ -90,18 +81,8 @@ def executor_phases(before: dict, after: dict) -> dict[str, float]:
 
 def one_token_meta(base_url: str, request: wl.BenchRequest) -> tuple[dict, float]:
     """One greedy output token of ``request``: its meta info and the client's seconds."""
-    body = {
-        "model": "default",
-        "messages": request.messages,
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "return_meta_info": True,
-    }
-    started = time.perf_counter()
-    response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=3600)
-    elapsed = time.perf_counter() - started
-    response.raise_for_status()
-    return response.json()["choices"][0]["meta_info"], elapsed
+    reply = chat_with_meta(base_url, request.messages, max_tokens=1)
+    return reply.meta, reply.client_s
 
 
 def profile_side(name: str, args, model: Path, shared: list[str]) -> dict[int, list[dict]]:

@@ -62,6 +62,7 @@ from sgl_mmkv.refresh.row_view import RowView  # noqa: E402
 from sgl_mmkv.refresh.selection import TokenSelector  # noqa: E402
 from sgl_mmkv.scoring import make_refresh_scorer  # noqa: E402
 from sgl_mmkv.segments.store import Segment  # noqa: E402
+from sgl_mmkv.testing.stand_ins import StandInPool, extend_batch, model_runner  # noqa: E402
 
 MIB = 1 << 20
 
@@ -84,29 +85,10 @@ SHAPES = {
 }
 
 
-class Pool:
+def stand_in_pool(shape: Shape, dtype: torch.dtype, device: str) -> StandInPool:
     """``token_to_kv_pool``: per layer ``(row, H_kv, d)`` K and V."""
-
-    def __init__(self, shape: Shape, dtype: torch.dtype, device: str) -> None:
-        g = torch.Generator(device=device).manual_seed(0)
-        size = (shape.row, shape.kv_heads, shape.head_dim)
-        self.k = [
-            torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(shape.layers)
-        ]
-        self.v = [
-            torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(shape.layers)
-        ]
-        self.layer_num = shape.layers
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[layer.layer_id][loc.loc] = k.view(-1, *self.k[0].shape[1:])
-        self.v[layer.layer_id][loc.loc] = v.view(-1, *self.v[0].shape[1:])
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
+    g = torch.Generator(device=device).manual_seed(0)
+    return StandInPool(shape.layers, shape.row, shape.kv_heads, shape.head_dim, g, dtype, device)
 
 
 class StandInModel:
@@ -153,38 +135,12 @@ def _plan(shape: Shape) -> RequestPlan:
     return RequestPlan(0, 0, seq_len, spans, (), visual, (first, second))
 
 
-def _context(shape: Shape, pool: Pool, dtype: torch.dtype, device: str) -> ExtendContext:
+def _context(shape: Shape, pool: StandInPool, dtype: torch.dtype, device: str) -> ExtendContext:
     plan = _plan(shape)
     n = plan.seq_len
     table = torch.arange(n, dtype=torch.int32, device=device)[None]
-
-    def no() -> bool:
-        return False
-
-    batch = SimpleNamespace(
-        forward_mode=SimpleNamespace(is_idle=no, is_decode=no, is_mixed=no),
-        seq_lens_cpu=torch.tensor([n]),
-        seq_lens=torch.tensor([n], device=device),
-        req_pool_indices=torch.tensor([0], device=device),
-        out_cache_loc=torch.arange(n, device=device),
-        input_ids=torch.arange(n, device=device),
-        positions=torch.arange(n, device=device),
-        mrope_positions=None,
-        extend_seq_lens=torch.tensor([n], device=device),
-        extend_seq_lens_cpu=[n],
-        extend_logprob_start_lens_cpu=None,
-        return_logprob=False,
-        input_embeds=None,
-        forward_metadata_ready=False,
-        mark_forward_metadata_ready=lambda: None,
-        moe_num_token_non_padded=None,
-    )
-    runner = SimpleNamespace(
-        token_to_kv_pool=pool,
-        req_to_token_pool=SimpleNamespace(req_to_token=table),
-        model=None,
-        attn_backend=None,
-    )
+    batch = extend_batch([n], [n], [0], torch.arange(n, device=device))
+    runner = model_runner(pool, table)
     s = shape
     return ExtendContext(
         run_extend=StandInModel(shape, dtype).run_extend,
@@ -224,7 +180,7 @@ PATHS = ("pass only", "copies", "streamed")
 
 
 def measure(shape: Shape, path: str, dtype: torch.dtype, device: str, budget: float) -> dict:
-    pool = Pool(shape, dtype, device)
+    pool = stand_in_pool(shape, dtype, device)
     ctx = _context(shape, pool, dtype, device)
     scorer = make_refresh_scorer("conduit")
     if path == "copies":
@@ -234,7 +190,7 @@ def measure(shape: Shape, path: str, dtype: torch.dtype, device: str, budget: fl
         active = [scoring_rows(p.fresh_mask()) for p in ctx.plans]
         run = lambda: run_pass(ctx, active) and None  # noqa: E731
     else:
-        run = lambda: selector.select(ctx)[0]  # noqa: E731
+        run = lambda: selector.select(ctx).tokens[0]  # noqa: E731
     peak_of = _peak_cuda if device == "cuda" else _peak_cpu
     started = time.perf_counter()
     selected, peak = peak_of(run)
@@ -264,7 +220,7 @@ PHASES = ("copy", "scoring", "refresh")
 
 def measure_request(shape: Shape, dtype: torch.dtype, device: str, budget: float) -> dict:
     """Peak extra bytes of each phase of one reusing request (:data:`PHASES`)."""
-    pool = Pool(shape, dtype, device)
+    pool = stand_in_pool(shape, dtype, device)
     ctx = _context(shape, pool, dtype, device)
     plan = ctx.plans[0]
     copier = SegmentCopier()
@@ -275,7 +231,7 @@ def measure_request(shape: Shape, dtype: torch.dtype, device: str, budget: float
     peaks = {}
     started = time.perf_counter()
     _, peaks["copy"] = peak_of(lambda: copier.copy(ctx.model_runner, ctx.forward_batch, [plan]))
-    selected, peaks["scoring"] = peak_of(lambda: selector.select(ctx)[0])
+    selected, peaks["scoring"] = peak_of(lambda: selector.select(ctx).tokens[0])
     active = plan.fresh_mask()
     active[selected.cpu() - plan.prefix_len] = True
     _, peaks["refresh"] = peak_of(lambda: run_pass(ctx, [active]) and None)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.fidelity_task import NEXT_QUESTIONS, Example, answer_of
+from harness.meta_info import chat_with_meta, request_stages
 
 DEFAULT_MODEL = Path("models/fidelity-qwen2-vl-page")  # from the repository root
 FIRST_SYSTEM = "You are shown an album of pictures. Look at them carefully."
@@ -63,28 +64,15 @@ class Turn:
 def _ask(base_url: str, messages: list[dict]) -> Turn:
     """One greedy reply with SGLang's request timestamps (the reuse counts are filled
     in from the server's counters by the caller)."""
-    import requests
-
-    body = {
-        "model": "default",
-        "messages": messages,
-        "max_tokens": 8,
-        "temperature": 0,
-        "return_meta_info": True,
-    }
-    r = requests.post(base_url + "/v1/chat/completions", json=body, timeout=600)
-    if r.status_code != 200:
-        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
-    choice = r.json()["choices"][0]
-    meta = choice["meta_info"]
-    received = meta["request_received_ts"]
+    reply = chat_with_meta(base_url, messages, max_tokens=8, timeout_s=600)
+    stages = request_stages(reply.meta)
     return Turn(
-        answer=(choice["message"]["content"] or "").strip(),
-        ttft_ms=1000 * meta["first_token_latency"],
-        tokenizer_ms=1000 * (meta["api_server_dispatch_finish_ts"] - received),
-        prefill_ms=1000 * (meta["prefill_finished_time"] - meta["forward_entry_time"]),
-        prompt_tokens=int(meta["prompt_tokens"]),
-        cached_tokens=int(meta.get("cached_tokens") or 0),
+        answer=reply.text,
+        ttft_ms=stages["ttft"],
+        tokenizer_ms=stages["tokenizer"],
+        prefill_ms=stages["prefill_forward"],
+        prompt_tokens=int(reply.meta["prompt_tokens"]),
+        cached_tokens=int(reply.meta.get("cached_tokens") or 0),
     )
 
 

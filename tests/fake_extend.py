@@ -21,33 +21,12 @@ from sgl_mmkv.refresh.observer import PrefillObserver
 from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.segments.store import Segment
+from sgl_mmkv.testing.stand_ins import StandInPool, extend_batch, model_runner
 
 H_Q, H_KV, D, LAYERS, HIDDEN = 4, 2, 16, 3, 12
 SLOTS = 256
 BUDGET = 0.3
 POOL_ROWS = [3, 1]
-
-
-class Pool:
-    """``token_to_kv_pool``: per-layer ``(slots, H_kv, D)`` K and V."""
-
-    def __init__(self, g: torch.Generator) -> None:
-        self.k = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(LAYERS)]
-
-    @property
-    def layer_num(self) -> int:
-        return LAYERS
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[layer.layer_id][loc.loc] = k.view(-1, H_KV, D)
-        self.v[layer.layer_id][loc.loc] = v.view(-1, H_KV, D)
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
 
 
 def segment(n: int, kept: list[int] | None = None) -> Segment:
@@ -115,18 +94,11 @@ class FakeModel:
         return self.run(sub, get_forward_context().attn_backend)
 
 
-def forward_mode():
-    def no() -> bool:
-        return False
-
-    return SimpleNamespace(is_idle=no, is_decode=no, is_mixed=no)
-
-
 def setup(seed: int = 0):
     """A fresh pool (stale segment KV everywhere, NaN in the holes' slots), the
     batch of both requests, the context."""
     g = torch.Generator().manual_seed(seed)
-    pool = Pool(g)
+    pool = StandInPool(LAYERS, SLOTS, H_KV, D, g)
     requests = plans()
     req_to_token = torch.zeros(4, 48, dtype=torch.int32)
     slots = torch.randperm(SLOTS, generator=g)
@@ -145,32 +117,9 @@ def setup(seed: int = 0):
             for row, p in zip(POOL_ROWS, requests, strict=True)
         ]
     )
-    n = out_cache_loc.numel()
-    batch = SimpleNamespace(
-        forward_mode=forward_mode(),
-        seq_lens_cpu=torch.tensor([p.seq_len for p in requests]),
-        seq_lens=torch.tensor([p.seq_len for p in requests]),
-        req_pool_indices=torch.tensor(POOL_ROWS),
-        out_cache_loc=out_cache_loc,
-        input_ids=torch.arange(n),
-        positions=torch.arange(n),
-        mrope_positions=None,
-        extend_seq_lens=torch.tensor(lens),
-        extend_seq_lens_cpu=lens,
-        extend_logprob_start_lens_cpu=None,
-        return_logprob=False,
-        input_embeds=None,
-        forward_metadata_ready=False,
-        mark_forward_metadata_ready=lambda: None,
-        moe_num_token_non_padded=None,
-    )
+    batch = extend_batch([p.seq_len for p in requests], lens, POOL_ROWS, out_cache_loc)
     model = FakeModel(seed)
-    runner = SimpleNamespace(
-        token_to_kv_pool=pool,
-        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-        model=None,
-        attn_backend=None,
-    )
+    runner = model_runner(pool, req_to_token)
     ctx = ExtendContext(
         run_extend=model.run_extend,
         model_runner=runner,

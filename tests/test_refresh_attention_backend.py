@@ -30,6 +30,7 @@ from sgl_mmkv.scoring import (  # noqa: E402
     make_eviction_scorer,
     make_refresh_scorer,
 )
+from sgl_mmkv.testing.stand_ins import StandInPool  # noqa: E402
 
 TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 H_Q, H_KV, D, LAYERS = 4, 2, 16, 2
@@ -48,24 +49,6 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class Pool:
-    """``token_to_kv_pool``: per-layer ``(slots, H_kv, D)`` K and V."""
-
-    def __init__(self, slots: int, g: torch.Generator) -> None:
-        self.k = [torch.randn(slots, H_KV, D, generator=g) for _ in range(LAYERS)]
-        self.v = [torch.randn(slots, H_KV, D, generator=g) for _ in range(LAYERS)]
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[layer.layer_id][loc.loc] = k.view(-1, H_KV, D)
-        self.v[layer.layer_id][loc.loc] = v.view(-1, H_KV, D)
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
-
-
 def _view(i: int) -> RowView | None:
     if i != 2:
         return None
@@ -79,7 +62,7 @@ def _pass(seed: int = 0):
     """Three requests in pool rows 5, 1, 3: active queries at scattered positions
     (request 1: its whole row), fresh K/V for them, NaN in the holes' slots."""
     g = torch.Generator().manual_seed(seed)
-    pool = Pool(256, g)
+    pool = StandInPool(LAYERS, 256, H_KV, D, g)
     req_to_token = torch.zeros(8, 64, dtype=torch.int32)
     slots = torch.randperm(256, generator=g)
     start = 0

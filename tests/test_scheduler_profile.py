@@ -49,7 +49,9 @@ def test_the_time_bound_shrinks_only_stocks_extend():
     assert time_bound(stock, 1.0) == pytest.approx(1.0)
 
 
-def _record(side: str, r: int, duration: float, split: dict, flops: dict | None) -> dict:
+def _record(
+    side: str, r: int, duration: float, split: dict, flops: dict | None, window: float = 0.0
+) -> dict:
     return {
         "side": side,
         "round": r,
@@ -65,16 +67,23 @@ def _record(side: str, r: int, duration: float, split: dict, flops: dict | None)
             {"kind": "doc_qa", "ttft_ms": 1e3, "itl_ms": [50.0], "error": ""} for _ in range(4)
         ],
         "flops": flops or {},
-        "profile": {"rate": 100, "wall_s": duration, "scheduler_s": split, "http_busy_s": 0.4},
+        "profile": {
+            "rate": 100,
+            "wall_s": duration + window,
+            "scheduler_s": split,
+            "http_busy_s": 0.4,
+        },
     }
 
 
 def test_a_profiled_mix_has_its_time_bound_share_and_extend_over_its_flops_share():
-    stock_split = {"decode": 1.0, "vision": 0.2, "extend": 5.6, "scheduler": 0.4}
-    ours_split = {"decode": 1.0, "vision": 0.2, "extend": 2.8, "scheduler": 0.6}
+    # the sampler's window outlasts the client's duration by 2 s (stock) and 3 s
+    # (conduit) of idle polling, in the scheduler part: taken off it
+    stock_split = {"decode": 1.0, "vision": 0.2, "extend": 5.6, "scheduler": 2.4}
+    ours_split = {"decode": 1.0, "vision": 0.2, "extend": 2.8, "scheduler": 3.6}
     records = [
-        _record("stock", 0, 8.0, stock_split, None),
-        _record("conduit", 0, 5.0, ours_split, {"full": 1000, "executed": 250}),
+        _record("stock", 0, 8.0, stock_split, None, window=2.0),
+        _record("conduit", 0, 5.0, ours_split, {"full": 1000, "executed": 250}, window=3.0),
     ]
     stock, ours = summarise_mixed(records, ["conduit"])
     assert stock["seconds_per_request"] == {
@@ -92,6 +101,7 @@ def test_a_profiled_mix_has_its_time_bound_share_and_extend_over_its_flops_share
     assert ours["extend_over_flops_share"] == pytest.approx(2.0)
     table = format_time_split([stock, ours]).splitlines()
     assert len(table) == 4
+    assert ours["seconds_per_request"]["scheduler"] == pytest.approx(0.15)
     assert table[3].startswith("| 70-15-15 | c4 | conduit | 1.250 | 0.250 | 0.050 | 0.700 |")
     assert table[3].endswith("| 2.11x | 0.76 | 2.00 |")
 
