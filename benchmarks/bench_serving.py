@@ -23,7 +23,8 @@ sent closed loop at each ``--concurrency`` and with Poisson arrivals at each
 throughput, TTFT and inter-token latency p50 / p99, TTFT p50 per kind, and the
 trace's FLOPs bound (``harness/serving_report.py``). ``bench_serving.png``: TTFT
 against pages (the doc-QA cells) and request throughput against concurrency (the
-mixed cells), bounds drawn; ``--replot JSON`` redraws it from a result file.
+mixed cells), bounds drawn; ``--replot JSON`` summarises a result file's records
+again with this checkout's summary and rewrites its tables, JSON rows and plot.
 
     python benchmarks/bench_serving.py --images 1,2,4,8,16 --no-reuse-images 4 \\
         --text-concurrency 1 --mixes 70/15/15,50/25/25 --concurrency 4,16 \\
@@ -119,7 +120,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="py-spy samples per second of each side's processes over each trace (0: off)",
     )
-    parser.add_argument("--replot", type=Path, default=None, help="redraw from this JSON")
+    parser.add_argument(
+        "--replot", type=Path, default=None, help="re-summarise and redraw this JSON"
+    )
     parser.add_argument("--server-args", default=None, help="given to every side")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/bench-serving"))
     return parser.parse_args(argv)
@@ -361,11 +364,37 @@ def draw(report: dict, path: Path) -> Path:
     )
 
 
+def write_report(report: dict, out_dir: Path) -> str:
+    """``bench_serving.json`` / ``.md`` / ``.png`` of ``report`` in ``out_dir``; returns
+    the tables."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_serving.json").write_text(json.dumps(report, indent=1))
+    rows, mixed_rows = report["rows"], report["mixed_rows"]
+    tables = [format_rows(rows) if rows else "", format_mixed(mixed_rows) if mixed_rows else ""]
+    tables.append(format_time_split(mixed_rows))
+    table = "\n\n".join(t for t in tables if t)
+    meta = report["meta"]
+    header = f"commit {meta['commit']}; {meta['machine']}; load average {meta['load_average']}\n\n"
+    (out_dir / "bench_serving.md").write_text(header + table + "\n")
+    draw(report, out_dir / "bench_serving.png")
+    return table
+
+
+def replot(path: Path) -> int:
+    """Summarise ``path``'s records again and rewrite its files (``--replot``)."""
+    report = json.loads(path.read_text())
+    modes = [m for m in report["meta"].get("modes", []) if m != STOCK]
+    records = report["records"]
+    report["rows"] = summarise(records, modes)
+    report["mixed_rows"] = summarise_mixed([x for x in records if "mix" in x], modes)
+    print(write_report(report, path.parent))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot is not None:
-        print(draw(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
-        return 0
+        return replot(args.replot)
     if args.profile_rate and shutil.which("py-spy") is None:
         raise SystemExit("--profile-rate needs py-spy (pip install py-spy)")
     model, shared, cuda = prepare_bench(args.model_path, args.server_args)
@@ -428,7 +457,6 @@ def main(argv: list[str] | None = None) -> int:
             "end": [round(x, 2) for x in os.getloadavg()],
         },
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "meta": meta,
         "rows": rows,
@@ -438,22 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         "servers": servers,
         "failed": failed,
     }
-    (args.out_dir / "bench_serving.json").write_text(json.dumps(report, indent=1))
-    tables = [format_rows(rows) if rows else "", format_mixed(mixed_rows) if mixed_rows else ""]
-    tables.append(format_time_split(mixed_rows))
-    table = "\n\n".join(t for t in tables if t)
-    loads = meta["load_average"]
-    header = f"commit {meta['commit']}; {meta['machine']}; load average {loads}\n\n"
-    (args.out_dir / "bench_serving.md").write_text(header + table + "\n")
-    draw(report, args.out_dir / "bench_serving.png")
-    print(table)
+    print(write_report(report, args.out_dir))
     for name, command in commands.items():
         print(f"{name}: {command}")
     for client in clients:
         print(f"client: {client}")
     overlap = differences.get("disable_overlap_schedule", {})
     print(f"verified from /get_server_info: disable_overlap_schedule {overlap or 'equal'}")
-    print(f"commit {meta['commit']}; load average at start / end: {loads}")
+    print(f"commit {meta['commit']}; load average at start / end: {meta['load_average']}")
     return 1 if failed else 0
 
 

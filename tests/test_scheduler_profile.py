@@ -3,10 +3,17 @@ harness/serving_report.py turns the parts into the trace's time bound (no server
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness.scheduler_profile import PARTS, busy_seconds, part_of, scheduler_split
 from harness.serving_report import format_time_split, summarise_mixed, time_bound
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_serving  # noqa: E402
 
 LOOP = "Scheduler.event_loop_overlap (s.py:1);Scheduler.run_batch (s.py:2)"
 RUNNER = f"{LOOP};ModelRunner._forward_raw (m.py:3)"
@@ -116,3 +123,22 @@ def test_an_unprofiled_run_has_no_time_split_table():
     stock, ours = summarise_mixed(records, ["conduit"])
     assert "time_bound" not in ours and "seconds_per_request" not in stock
     assert format_time_split([stock, ours]) == ""
+
+
+def test_replot_summarises_a_result_files_records_again(tmp_path):
+    split = {"decode": 1.0, "vision": 0.2, "extend": 5.6, "scheduler": 0.4}
+    records = [
+        _record("stock", 0, 8.0, split, None),
+        _record("conduit", 0, 5.0, split | {"extend": 2.8}, {"full": 1000, "executed": 250}),
+    ]
+    for record in records:
+        record |= {"label": "mix-70-15-15-c4", "concurrency": 4}
+    meta = {"commit": "abc", "machine": "m", "modes": ["conduit"], "load_average": {}}
+    path = tmp_path / "bench_serving.json"
+    path.write_text(json.dumps({"meta": meta, "rows": [], "mixed_rows": [], "records": records}))
+    assert bench_serving.replot(path) == 0
+    report = json.loads(path.read_text())
+    assert report["mixed_rows"][1]["time_bound"] == pytest.approx(2.0 / 0.95)
+    md = (tmp_path / "bench_serving.md").read_text()
+    assert md.startswith("commit abc; m;") and "| 2.11x | 0.76 | 2.00 |" in md
+    assert (tmp_path / "bench_serving.png").stat().st_size > 0
