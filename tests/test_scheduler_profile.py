@@ -85,9 +85,8 @@ def _record(
 
 def test_a_profiled_mix_has_its_time_bound_share_and_extend_over_its_flops_share():
     # the sampler's window outlasts the client's duration by 2 s (stock) and 3 s
-    # (conduit) of idle polling, in the scheduler part: taken off it
-    stock_split = {"decode": 1.0, "vision": 0.2, "extend": 5.6, "scheduler": 2.4}
-    ours_split = {"decode": 1.0, "vision": 0.2, "extend": 2.8, "scheduler": 3.6}
+    stock_split = {"decode": 1.0, "vision": 0.2, "extend": 5.6, "scheduler": 0.4}
+    ours_split = {"decode": 1.0, "vision": 0.2, "extend": 2.8, "scheduler": 0.6}
     records = [
         _record("stock", 0, 8.0, stock_split, None, window=2.0),
         _record("conduit", 0, 5.0, ours_split, {"full": 1000, "executed": 250}, window=3.0),
@@ -95,6 +94,7 @@ def test_a_profiled_mix_has_its_time_bound_share_and_extend_over_its_flops_share
     stock, ours = summarise_mixed(records, ["conduit"])
     assert stock["seconds_per_request"] == {
         "wall": 2.0,
+        "window": 2.5,
         "decode": 0.25,
         "vision": 0.05,
         "extend": 1.4,
@@ -109,7 +109,9 @@ def test_a_profiled_mix_has_its_time_bound_share_and_extend_over_its_flops_share
     table = format_time_split([stock, ours]).splitlines()
     assert len(table) == 4
     assert ours["seconds_per_request"]["scheduler"] == pytest.approx(0.15)
-    assert table[3].startswith("| 70-15-15 | c4 | conduit | 1.250 | 0.250 | 0.050 | 0.700 |")
+    assert table[3].startswith(
+        "| 70-15-15 | c4 | conduit | 1.250 | 2.000 | 0.250 | 0.050 | 0.700 | 0.150 |"
+    )
     assert table[3].endswith("| 2.11x | 0.76 | 2.00 |")
 
 
