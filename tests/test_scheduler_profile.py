@@ -144,3 +144,16 @@ def test_replot_summarises_a_result_files_records_again(tmp_path):
     md = (tmp_path / "bench_serving.md").read_text()
     assert md.startswith("commit abc; m;") and "| 2.11x | 0.76 | 2.00 |" in md
     assert (tmp_path / "bench_serving.png").stat().st_size > 0
+
+
+def test_at_a_request_rate_there_is_no_share_of_a_bound():
+    split = {"decode": 1.0, "vision": 0.2, "extend": 5.6, "scheduler": 0.4}
+    records = [
+        _record("stock", 0, 8.0, split, None),
+        _record("conduit", 0, 8.0, split | {"extend": 2.8}, {"full": 1000, "executed": 250}),
+    ]
+    for record in records:
+        record["load"] = "rate0.5"
+    _, ours = summarise_mixed(records, ["conduit"])
+    assert ours["throughput_ratio"] == pytest.approx(1.0) and ours["flops_bound"] == 4.0
+    assert not {"share_of_bound", "time_bound", "share_of_time_bound"} & set(ours)
