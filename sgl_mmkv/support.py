@@ -156,6 +156,11 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             "segment copies and refresh attention read KV without its scales",
         ),
         (
+            bool(getattr(args, "is_embedding", False)),
+            "--is-embedding: an embedding pooled over reused image KV differs from stock's, "
+            "and fidelity is measured on generated answers only (use --mm-reuse exact or off)",
+        ),
+        (
             args.page_size not in (None, 1),
             f"--page-size {args.page_size}: image KV is copied token by token (page size 1)",
         ),

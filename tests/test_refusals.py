@@ -39,6 +39,7 @@ FLAG_CASES = [
     ("lora", ["--enable-lora"], "--enable-lora"),
     ("lora paths", ["--lora-paths", "a=/nonexistent"], "--lora-paths"),
     ("fp8 kv", ["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+    ("embedding server", ["--is-embedding"], "--is-embedding: an embedding pooled over reused"),
     # SGLang keeps CUDA graphs on the CPU with a backend other than torch_native
     ("prefill graphs", GRAPHS + ["--cuda-graph-backend-prefill", "full"], "prefill CUDA graphs"),
     (
