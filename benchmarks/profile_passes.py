@@ -90,13 +90,22 @@ def breakdown(raw: Path, rate: int, num_requests: int) -> dict[str, dict[str, fl
     return {p: dict(sorted(ops.items())) for p, ops in ms.items()}
 
 
+def reuse_tokens(meta: dict) -> dict[str, int]:
+    """A request's token counts from its meta info: prompt and cached tokens, and the
+    ``*_tokens`` reuse facts summed over its entries (``--mm-report-reuse`` lists one
+    per forward pass: a chunked prefill has several)."""
+    counts = {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]}
+    for entry in meta.get("sgl_mmkv") or []:
+        for key, value in entry.items():
+            if key.endswith("_tokens"):
+                counts[key] = counts.get(key, 0) + value
+    return counts
+
+
 def _tokens(base_url: str, request: wl.BenchRequest) -> dict:
     """Send ``request`` (one output token); its token counts from the meta info."""
     meta, _ = one_token_meta(base_url, request)
-    facts = (meta.get("sgl_mmkv") or [{}])[0]
-    return {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]} | {
-        k: v for k, v in facts.items() if k.endswith("_tokens")
-    }
+    return reuse_tokens(meta)
 
 
 def profile_side(name: str, args, model: Path, shared: list[str]) -> dict:

@@ -56,3 +56,24 @@ def test_the_table_has_a_row_per_side_and_pass():
         "| stock, forward | 0 | 200 | 200 |",
         "| conduit, scoring pass | 12 | 30 | 42 |",
     ]
+
+
+def test_the_reuse_facts_of_a_chunked_prefill_are_summed_over_its_entries():
+    meta = {
+        "prompt_tokens": 4187,
+        "cached_tokens": 4,
+        "sgl_mmkv": [
+            {"method": "conduit", "reused_tokens": 70, "refreshed_tokens": 7},
+            {"method": "conduit", "reused_tokens": 2000, "refreshed_tokens": 200},
+        ],
+    }
+    assert profile_passes.reuse_tokens(meta) == {
+        "prompt_tokens": 4187,
+        "cached_tokens": 4,
+        "reused_tokens": 2070,
+        "refreshed_tokens": 207,
+    }
+    assert profile_passes.reuse_tokens({"prompt_tokens": 9, "cached_tokens": 0}) == {
+        "prompt_tokens": 9,
+        "cached_tokens": 0,
+    }
