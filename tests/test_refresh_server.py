@@ -252,6 +252,37 @@ def test_chunked_prefill_reuses_every_image_even_when_a_chunk_cuts_it(tiny_vlm, 
         assert reused == 4 * TOKENS_PER_IMAGE  # every image token, cut images included
         assert hits > 4  # at least one image was cut, and its parts were each a hit
         assert after["pool"]["in_use"] == 0 and after["pool"]["free_unique"]
+        # the meta info sums the request's chunks (SGLang keeps only the last one's)
+        before = mmkv_stats(proc.base_url)
+        meta = _generate_meta(proc.base_url, tiny_vlm, "Yet another system prompt.", images)
+        after = mmkv_stats(proc.base_url)
+        delta = {k: after["refresh"][k] - before["refresh"][k] for k in ("reused_tokens",)}
+        assert meta["sgl_mmkv"] == [
+            {
+                "method": "conduit",
+                "reused_segments": 4,
+                "reused_tokens": delta["reused_tokens"],
+                "hole_tokens": 0,
+                "refreshed_tokens": 4 * TOKENS_PER_IMAGE,  # budget 1.0
+                "recomputed_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
+            }
+        ]
+        assert delta["reused_tokens"] == 4 * TOKENS_PER_IMAGE
+
+
+def _generate_meta(base_url: str, model, system: str, images: list) -> dict:
+    """The meta info of a two-token greedy ``/generate`` over ``images`` under ``system``."""
+    processor = AutoProcessor.from_pretrained(model)
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Hi"}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+    body = {
+        "text": processor.apply_chat_template(messages, add_generation_prompt=True),
+        "image_data": [data_url(image) for image in images],
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+    }
+    r = requests.post(base_url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]
 
 
 def test_bad_requests_leave_the_refresh_server_serving_and_the_ledger_exact(server, client):

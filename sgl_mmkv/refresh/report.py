@@ -86,6 +86,10 @@ class ReuseReporter:
         self.counters = counters
         self.per_request = per_request
         self.on_forward = on_forward
+        # rid -> (facts so far, segment keys) of the last reported forward's requests:
+        # SGLang keeps only a request's last prefill chunk's customized_info, so a
+        # chunked request's facts are carried into its next chunk's
+        self._carried: dict[str, tuple[dict, frozenset]] = {}
 
     def report(
         self,
@@ -99,7 +103,8 @@ class ReuseReporter:
         if selected is not None:
             c.refresh_forwards += 1
             c.seconds += seconds
-        infos = []
+        infos, carried = [], {}
+        rids = getattr(ctx.forward_batch, "rids", None) or [None] * len(ctx.plans)
         for i, plan in enumerate(ctx.plans):
             reused = plan.reused_tokens
             holes = int(plan.hole_mask().sum())
@@ -109,18 +114,23 @@ class ReuseReporter:
             c.hole_tokens += holes
             c.refreshed_tokens += refreshed
             c.recomputed_tokens += recomputed
-            info = {
-                "method": self.method,
-                "reused_segments": len(plan.spans),
+            counts = {
                 "reused_tokens": reused,
                 "hole_tokens": holes,
                 "refreshed_tokens": refreshed,
                 "recomputed_tokens": recomputed,
             }
-            infos.append(info)
             if plan.spans and self.per_request:
-                rids = ctx.forward_batch.rids
-                logger.info("sgl_mmkv: rid=%s %s", rids[i] if rids else i, info)
+                chunk = {"method": self.method, "reused_segments": len(plan.spans), **counts}
+                logger.info("sgl_mmkv: rid=%s %s", rids[i] if rids[i] else i, chunk)
+            before, keys = self._carried.get(rids[i], ({}, frozenset()))
+            keys = keys | {span.segment.key for span in plan.spans}
+            info = {"method": self.method, "reused_segments": len(keys)}
+            info |= {k: v + before.get(k, 0) for k, v in counts.items()}
+            infos.append(info)
+            if self.per_request and rids[i] is not None:
+                carried[rids[i]] = (info, keys)
+        self._carried = carried
         if self.on_forward is not None:
             self.on_forward()
         logits_output = getattr(out, "logits_output", out)
