@@ -86,10 +86,12 @@ class ReuseReporter:
         self.counters = counters
         self.per_request = per_request
         self.on_forward = on_forward
-        # rid -> (facts so far, segment keys) of the last reported forward's requests:
-        # SGLang keeps only a request's last prefill chunk's customized_info, so a
-        # chunked request's facts are carried into its next chunk's
-        self._carried: dict[str, tuple[dict, frozenset]] = {}
+        # rid -> (facts so far, segment keys, row end) of the last reported forward's
+        # requests: SGLang keeps only a request's last prefill chunk's customized_info,
+        # so a chunked request's facts are carried into its next chunk's (the extend
+        # that starts where the last one ended; a prefill again after a retraction
+        # starts anew)
+        self._carried: dict[str, tuple[dict, frozenset, int]] = {}
 
     def report(
         self,
@@ -123,13 +125,15 @@ class ReuseReporter:
             if plan.spans and self.per_request:
                 chunk = {"method": self.method, "reused_segments": len(plan.spans), **counts}
                 logger.info("sgl_mmkv: rid=%s %s", rids[i] if rids[i] else i, chunk)
-            before, keys = self._carried.get(rids[i], ({}, frozenset()))
+            before, keys, end = self._carried.get(rids[i], ({}, frozenset(), -1))
+            if end != plan.prefix_len:
+                before, keys = {}, frozenset()
             keys = keys | {span.segment.key for span in plan.spans}
             info = {"method": self.method, "reused_segments": len(keys)}
             info |= {k: v + before.get(k, 0) for k, v in counts.items()}
             infos.append(info)
             if self.per_request and rids[i] is not None:
-                carried[rids[i]] = (info, keys)
+                carried[rids[i]] = (info, keys, plan.seq_len)
         self._carried = carried
         if self.on_forward is not None:
             self.on_forward()
