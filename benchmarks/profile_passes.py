@@ -92,8 +92,8 @@ def breakdown(raw: Path, rate: int, num_requests: int) -> dict[str, dict[str, fl
 
 def reuse_tokens(meta: dict) -> dict[str, int]:
     """A request's token counts from its meta info: prompt and cached tokens, and the
-    ``*_tokens`` reuse facts summed over its entries (``--mm-report-reuse`` lists one
-    per forward pass: a chunked prefill has several)."""
+    ``*_tokens`` reuse facts of its ``sgl_mmkv`` entries, summed (``--mm-report-reuse``
+    gives one entry, already summed over a chunked prefill's chunks by the reporter)."""
     counts = {"prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]}
     for entry in meta.get("sgl_mmkv") or []:
         for key, value in entry.items():
