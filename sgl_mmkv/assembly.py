@@ -21,6 +21,7 @@ from sgl_mmkv.refresh.runtime import MMKVRuntime
 from sgl_mmkv.scoring import make_eviction_scorer, make_refresh_scorer
 from sgl_mmkv.segments.storage import GIB
 from sgl_mmkv.segments.store import SegmentStore
+from sgl_mmkv.support import check_pool_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ def assemble_runtime(
         )
     allocator = cache.token_to_kv_pool_allocator
     kv_pool = allocator.get_kvcache()
+    check_pool_dtype(f"--mm-reuse {config.mm_reuse}", kv_pool)
     compress = config.mm_kv_budget if config.uses_scored_eviction else None
     store = SegmentStore(
         allocator,

@@ -46,7 +46,10 @@ UNSCALED_ROPE_TYPES = (None, "default", "mrope")
 # delta re-positions a reused key exactly (refresh/rotary.py derives the rates from
 # the model's own cache and checks it; tests/test_rotary_variants.py covers each).
 LINEAR_ROPE_TYPES = (*UNSCALED_ROPE_TYPES, "linear", "dynamic", "yarn", "llama3")
-PLAIN_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# --kv-cache-dtype values whose pool holds plain floating-point KV (no scales). With
+# "auto" a checkpoint may still declare fp8 KV: check_model and the pool check in
+# assembly.py catch that.
+PLAIN_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32")
 
 
 def check_sglang_version() -> None:
@@ -162,10 +165,62 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
         ),
         (
             args.page_size not in (None, 1),
-            f"--page-size {args.page_size}: image KV is copied token by token (page size 1)",
+            f"page size {args.page_size} (--page-size, or forced by the attention backend "
+            f"{_attention_backends(args)}): image KV is copied token by token; pass "
+            "--page-size 1 with a backend that allows it (torch_native, triton, flashinfer)",
         ),
+        *_tier_refusals(args),
     ]
     _refuse_first(mode, refusals)
+
+
+def _attention_backends(args: Any) -> str:
+    names = {
+        getattr(args, field, None)
+        for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    }
+    return " / ".join(sorted(str(n) for n in names if n)) or "default"
+
+
+def _tier_refusals(args: Any) -> list[tuple[bool, str]]:
+    """Switches that copy the radix tree's rows out of this instance (HiCache, LMCache,
+    FlexKV, SGLang's external cache linker) or turn every batch into one that reuses
+    nothing (full hidden states): refused, never silently wrong or silently off."""
+    exports = (
+        "rows built from refreshed (approximate) image KV would leave this instance "
+        "under prefix keys an exact instance trusts"
+    )
+    # SGLang resolves the two switches to mode "full"; mode "last" sets the first one.
+    mode = getattr(args, "return_hidden_states_mode", None)
+    switches = getattr(args, "enable_return_hidden_states", False) or getattr(
+        args, "enable_return_aux_hidden_states", False
+    )
+    hidden = mode == "full" or (mode is None and bool(switches))
+    return [
+        (
+            bool(getattr(args, "enable_hierarchical_cache", False)),
+            f"--enable-hierarchical-cache (HiCache): {exports}; keep HiCache on exact "
+            "instances and share images through --mm-segment-storage (docs/deployment.md)",
+        ),
+        (
+            bool(getattr(args, "enable_lmcache", False)),
+            f"--enable-lmcache: SGLang ignores it with sgl_mmkv's radix cache, and {exports}",
+        ),
+        (
+            bool(getattr(args, "enable_flexkv", False)),
+            f"--enable-flexkv: SGLang ignores it with sgl_mmkv's radix cache, and {exports}",
+        ),
+        (
+            bool(getattr(args, "enable_unified_cache_external_linker", False)),
+            f"--enable-unified-cache-external-linker: {exports}",
+        ),
+        (
+            hidden,
+            "--enable-return-hidden-states (every prompt row's hidden states): every "
+            "batch would need all rows computed, so nothing would be reused; serve hidden "
+            "states from a --mm-reuse exact or off instance",
+        ),
+    ]
 
 
 def _refuse_first(mode: str, refusals: list[tuple[bool, str]]) -> None:
@@ -206,11 +261,54 @@ def check_effective(config: MMKVConfig, args: Any, hf_config: dict) -> None:
         ),
     ]
     _refuse_first(mode, refusals)
+    declared = checkpoint_kv_quantization(hf_config)
+    if declared is not None and args.kv_cache_dtype == "auto":
+        raise ConfigError(
+            f"{mode} cannot run with the checkpoint's fp8 KV ({declared}, taken by "
+            "--kv-cache-dtype auto): segment copies and refresh attention do not apply "
+            "KV scales yet; pass --kv-cache-dtype bf16"
+        )
     check_model(mode, hf_config, config.compresses_at_decode)
     if config.scored_layers is not None:
         check_scored_layers(config.scored_layers, hf_config)
     if config.uses_segment_storage:
         check_storage_backend(config.mm_segment_storage)
+
+
+def checkpoint_kv_quantization(hf_config: dict) -> str | None:
+    """What a checkpoint's quantization config declares for its KV cache
+    (``kv_cache_scheme`` of compressed-tensors, ``kv_cache_quant_algo`` of ModelOpt and
+    others), as SGLang's ``configure_kv_cache_dtype`` reads it with ``auto``; None if
+    nothing."""
+    for scope in (hf_config, hf_config.get("text_config") or {}):
+        quant = scope.get("quantization_config")
+        if not isinstance(quant, dict):
+            continue
+        scheme = quant.get("kv_cache_scheme")
+        if isinstance(scheme, dict) and scheme:
+            return f"kv_cache_scheme {json.dumps(scheme, sort_keys=True)}"
+        algo = quant.get("kv_cache_quant_algo")
+        if isinstance(algo, str) and algo:
+            return f"kv_cache_quant_algo {algo}"
+    return None
+
+
+def check_pool_dtype(mode: str, kv_pool: Any) -> None:
+    """Refuse a KV pool SGLang made with other than plain floating-point KV, whatever
+    the flag said (a checkpoint's fp8 KV under ``auto``; ``kv_pool.dtype`` is the
+    pool's KV dtype, its buffers may store it as bytes)."""
+    import torch
+
+    plain = (torch.bfloat16, torch.float16, torch.float32)
+    dtypes = {getattr(kv_pool, "dtype", None), kv_pool.get_key_buffer(0).dtype}
+    dtypes.discard(None)
+    odd = sorted(str(d) for d in dtypes if d not in plain)
+    if odd:
+        raise ConfigError(
+            f"{mode} cannot run with a {' / '.join(odd)} KV pool (SGLang chose it from "
+            "--kv-cache-dtype or the checkpoint's KV quantization): segment copies and "
+            "refresh attention do not apply KV scales yet; pass --kv-cache-dtype bf16"
+        )
 
 
 def check_storage_backend(name: str) -> None:

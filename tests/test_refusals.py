@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from sgl_mmkv.config import CONFIG_ENV, ConfigError, MMKVConfig
 from sgl_mmkv.launch_server import resolve_args
@@ -76,6 +77,25 @@ FLAG_CASES = [
         "--enable-mixed-chunk",
     ),
     ("abbreviated flag", ["--disable-radix"], "--disable-radix-cache"),
+    ("hicache", ["--enable-hierarchical-cache"], "--enable-hierarchical-cache (HiCache): rows"),
+    (
+        "hicache with storage",
+        ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+        "--enable-hierarchical-cache (HiCache): rows built from refreshed",
+    ),
+    ("lmcache", ["--enable-lmcache"], "--enable-lmcache: SGLang ignores it"),
+    ("flexkv", ["--enable-flexkv"], "--enable-flexkv: SGLang ignores it"),
+    (
+        "external cache linker",
+        ["--enable-unified-cache-external-linker"],
+        "--enable-unified-cache-external-linker",
+    ),
+    ("hidden states", ["--enable-return-hidden-states"], "--enable-return-hidden-states"),
+    (
+        "hidden states full",
+        ["--return-hidden-states-mode", "full"],
+        "--enable-return-hidden-states (every prompt row",
+    ),
 ]
 
 
@@ -435,3 +455,92 @@ def test_the_model_is_checked_as_sglang_loads_it(own_environment, tiny_vlm, tmp_
     args, hf_config = _effective(model)
     assert rope_type(hf_config) is None
     check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "bfloat16", "auto"])
+def test_plain_kv_dtypes_sglang_accepts_are_accepted(own_environment, tiny_vlm, dtype):
+    args, hf_config = _effective(tiny_vlm, "--kv-cache-dtype", dtype)
+    check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+
+
+def test_last_hidden_states_only_are_accepted(own_environment, tiny_vlm):
+    """Mode ``last`` captures the last row only, which every pass computes."""
+    args, hf_config = _effective(tiny_vlm, "--return-hidden-states-mode", "last")
+    assert args.enable_return_hidden_states  # SGLang sets the switch for it
+    check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+    args, hf_config = _effective(tiny_vlm, "--enable-return-hidden-states")
+    assert args.return_hidden_states_mode == "full"
+    with pytest.raises(ConfigError, match="--enable-return-hidden-states"):
+        check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+    check_effective(MMKVConfig(mm_reuse="exact"), args, hf_config)
+
+
+FP8_DECLARATIONS = [
+    {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+    {"kv_cache_quant_algo": "FP8"},
+]
+
+
+@pytest.mark.parametrize("declared", FP8_DECLARATIONS, ids=["compressed-tensors", "modelopt"])
+def test_a_checkpoint_that_declares_fp8_kv_is_refused_under_auto(
+    own_environment, tiny_vlm, declared
+):
+    args, hf_config = _effective(tiny_vlm)
+    quantized = {**hf_config, "quantization_config": {"quant_method": "x", **declared}}
+    with pytest.raises(ConfigError) as refusal:
+        check_effective(MMKVConfig(mm_reuse="conduit"), args, quantized)
+    assert "the checkpoint's fp8 KV" in str(refusal.value)
+    assert "pass --kv-cache-dtype bf16" in str(refusal.value)
+    args, _ = _effective(tiny_vlm, "--kv-cache-dtype", "bf16")
+    check_effective(MMKVConfig(mm_reuse="conduit"), args, quantized)  # bf16 asked: plain
+
+
+class _Pool:
+    def __init__(self, dtype, stored):
+        self.dtype = dtype
+        self._k = torch.zeros(4, 2, 8, dtype=stored)
+
+    def get_key_buffer(self, layer):
+        return self._k
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stored", "refused"),
+    [
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.float16, torch.float16, False),
+        (torch.float8_e4m3fn, torch.uint8, True),  # SGLang stores fp8 KV as bytes
+        (torch.float8_e5m2, torch.float8_e5m2, True),
+    ],
+)
+def test_the_pool_sglang_built_is_checked_not_the_flag(dtype, stored, refused):
+    from sgl_mmkv.support import check_pool_dtype
+
+    if not refused:
+        check_pool_dtype("--mm-reuse conduit", _Pool(dtype, stored))
+        return
+    with pytest.raises(ConfigError, match="KV pool") as refusal:
+        check_pool_dtype("--mm-reuse conduit", _Pool(dtype, stored))
+    assert "float8" in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+class _Overridden:
+    """SGLang's resolved args with some fields as another resolution would set them
+    (trtllm_mha forces page size 64 on Blackwell, which this CPU cannot resolve)."""
+
+    def __init__(self, args, **fields):
+        self._args, self._fields = args, fields
+
+    def __getattr__(self, name):
+        return self._fields[name] if name in self._fields else getattr(self._args, name)
+
+
+def test_a_page_size_an_attention_backend_forced_names_the_backend(own_environment, tiny_vlm):
+    args, hf_config = _effective(tiny_vlm)
+    forced = _Overridden(args, page_size=64, attention_backend="trtllm_mha")
+    with pytest.raises(ConfigError) as refusal:
+        check_effective(MMKVConfig(mm_reuse="conduit"), forced, hf_config)
+    line = str(refusal.value)
+    assert "page size 64 (--page-size, or forced by the attention backend" in line
+    assert "trtllm_mha" in line and "pass --page-size 1" in line and "\n" not in line
+    check_effective(MMKVConfig(mm_reuse="exact"), forced, hf_config)
