@@ -2,9 +2,11 @@
 
 One ``--mm-reuse conduit`` server (every match reused). Each case sends a batch in
 which one request reuses an image under a new prefix while another asks for prompt
-logprobs, token-id logprobs or hidden states; the other request's numbers must equal
+logprobs or token-id logprobs; the other request's numbers must equal
 the same request served alone (a batch without reuse runs SGLang's own extend), and
-the server must keep serving.
+the server must keep serving. Every prompt row's hidden states
+(``--enable-return-hidden-states``) are refused at start-up in refresh modes
+(tests/test_refusals.py): every batch would capture them and none could reuse.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from sgl_mmkv.testing.server import (
     REPORT_REUSE,
     ServerProcess,
     flush_cache,
-    mmkv_stats,
 )
 
 TOL = 1e-3
@@ -35,16 +36,6 @@ ARGS = [*CPU_SERVER_ARGS, *("--mm-reuse", "conduit", "--mm-reuse-gate", "always"
 def server(tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "shapes.log"
     with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, ARGS, log) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def hidden_server(tiny_vlm, tmp_path_factory):
-    """With --enable-return-hidden-states every batch captures every row's hidden
-    states, which a refresh pass does not compute: such batches run as stock."""
-    log = tmp_path_factory.mktemp("logs") / "hidden.log"
-    args = [*ARGS, "--enable-return-hidden-states"]
-    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, log) as proc:
         yield proc
 
 
@@ -105,7 +96,6 @@ def _default(field: str):
         "logprob_start_len": -1,
         "top_logprobs_num": 0,
         "token_ids_logprob": [],
-        "return_hidden_states": False,
     }
     return defaults[field]
 
@@ -157,23 +147,6 @@ def test_token_id_logprobs_next_to_a_reuse(server, prompt):
         strict=True,
     ):
         _close(g or [], s or [])
-    assert _healthy(server)
-
-
-def test_hidden_states_next_to_a_reuse(hidden_server, prompt):
-    server = hidden_server
-    other = {"text": TEXT, "return_hidden_states": True}
-    solo = _solo(server, other)
-    reuse, got = _reuse_batch(server, prompt, 953, other)
-    assert reuse["meta_info"]["sgl_mmkv"][0]["reused_segments"] == 0  # the batch ran as stock
-    assert mmkv_stats(server.base_url)["refresh"]["stock_batches"] >= 1
-    got_states, solo_states = got["meta_info"]["hidden_states"], solo["meta_info"]["hidden_states"]
-    assert len(got_states) == len(solo_states)
-    for g, s in zip(got_states, solo_states, strict=True):
-        flat_g = [v for row in g for v in (row if isinstance(row, list) else [row])]
-        flat_s = [v for row in s for v in (row if isinstance(row, list) else [row])]
-        assert len(flat_g) == len(flat_s)
-        assert max(abs(a - b) for a, b in zip(flat_g, flat_s, strict=True)) <= TOL
     assert _healthy(server)
 
 
