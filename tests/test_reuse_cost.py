@@ -150,3 +150,23 @@ def test_the_cost_gate_bounds_an_auto_budget_by_the_images_it_may_find_stale():
     fixed = ExtendPlanner(None, scorer, 0.1, "cost", RefreshCounters())
     fixed._shape = SHAPE
     assert not fixed._too_costly(reordered)  # a fixed 10 % is cheap whatever went stale
+
+
+def test_a_span_that_reuses_no_token_in_its_chunk_is_costed():
+    """A compressed segment cut by a chunk boundary with none of its kept tokens in
+    this chunk: its span reuses nothing, and the estimate is the fresh work."""
+    n = 32
+    segment = Segment(
+        key=(0, n),
+        slots=torch.arange(16),
+        positions=torch.arange(n)[None],
+        kept=torch.arange(0, n, 2),
+    )
+    span = ReuseSpan(41, 42, segment, delta=0, image_start=40)  # image token 1: dropped
+    visual = torch.zeros(2, dtype=torch.bool)
+    visual[0] = True
+    plan = RequestPlan(0, 41, 43, (span,), visual=visual)
+    assert int(plan.reused_mask().sum()) == 0
+    for name in ("conduit", "staleprobe", "cacheblend"):
+        cost = reuse_flops(SHAPE, plan, make_refresh_scorer(name), 0.1)
+        assert cost >= SHAPE.pass_flops(torch.arange(41, 43))

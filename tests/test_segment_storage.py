@@ -1000,3 +1000,61 @@ def test_storage_limits_need_storage():
 
     with pytest.raises(ConfigError, match="need --mm-segment-storage other than none"):
         resolve_args(["--mm-reuse", "conduit", "--mm-segment-storage-deadline-ms", "50"])
+
+
+def test_embeddings_the_cap_dropped_and_computed_again_do_not_rewrite_the_entry(tmp_path):
+    """An entry written with its embeddings is not written again when the host cap
+    let them go and the vision tower computed them again (a synchronous all-layer copy
+    of the KV per reuse, before)."""
+    layout = (EMBED_WIDTH, "torch.bfloat16")
+    store = make_store(tmp_path, embeds=layout)
+    rows = torch.randn(5, EMBED_WIDTH).bfloat16()
+    segment = store.fill(
+        key(), store.allocator.alloc(5), torch.arange(15).reshape(3, 5), None, rows
+    )
+    assert store.storage.drain() and segment.stored_embeddings
+    reads = []
+    original = store.kv_pool.get_key_buffer
+    store.kv_pool.get_key_buffer = lambda layer: reads.append(layer) or original(layer)
+    for _ in range(3):
+        store._drop_embeddings(segment)  # what the host cap does
+        store.gain_embeddings(segment, rows)
+    assert store.storage.drain() and segment.embeddings is not None
+    assert reads == [] and store.storage.counters.writes == 1
+    loaded = make_store(tmp_path, embeds=layout).lookup(key())
+    assert loaded.stored_embeddings and loaded.embeddings is not None
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [[0, 3, 2], [0, 2, 2], [-1, 2, 3], [0, 2, 5], [0, 2, 7]],
+    ids=["unsorted", "repeated", "negative", "n", "past n"],
+)
+def test_a_stored_segment_s_kept_indices_must_increase_within_the_image(tmp_path, kept):
+    from sgl_mmkv.segments.store import valid_kept
+
+    bad = stored(compressed=True)
+    assert valid_kept(bad.kept, 3, 5)
+    bad = StoredSegment(bad.positions, torch.tensor(kept), bad.ranking, bad.keys, bad.values, None)
+    assert not valid_kept(bad.kept, 3, 5)
+    a = make_store(tmp_path)
+    assert a.storage.put(key(), bad) and a.storage.drain()
+    b = make_store(tmp_path)
+    assert b.lookup(key()) is None
+    assert b.storage.counters.mismatched == 1 and b.allocator.available_size() == 64
+
+
+def test_a_burst_of_hit_touches_never_takes_a_write_s_place():
+    from sgl_mmkv.segments.deadline import WriteQueue
+
+    gate, done = __import__("threading").Event(), []
+    queue = WriteQueue(max_entries=2, max_bytes=1 << 20, max_light=8)
+    assert queue.put(gate.wait)  # a slow write holds the thread
+    touched = [queue.put_light(lambda i=i: done.append(("touch", i))) for i in range(20)]
+    assert touched == [True] * 8 + [False] * 12  # the light lane has its own bound
+    assert queue.put(lambda: done.append(("write", 0)))
+    assert queue.put(lambda: done.append(("write", 1)))
+    gate.set()
+    assert queue.drain(5.0)
+    assert done[:2] == [("write", 0), ("write", 1)]  # writes go first
+    assert len(done) == 10

@@ -103,6 +103,7 @@ def reuse_flops(shape: DecoderShape, plan: RequestPlan, scorer: TokenScorer, bud
     num_image_tokens = sum(s.end - s.start for s in plan.spans) - int(plan.hole_mask().sum())
     k = budget_count(budget, num_image_tokens)
     selected = reused_rows[max(0, reused_rows.numel() - k) :] + plan.prefix_len
-    skip = int(reused_rows[0]) if after_scoring_pass else 0
+    # a compressed segment cut by a chunk boundary may reuse no token in this chunk
+    skip = int(reused_rows[0]) if after_scoring_pass and reused_rows.numel() else 0
     rows = refresh_rows(plan, fresh, selected, after_scoring_pass, skip)
     return total + shape.pass_flops(positions[rows])

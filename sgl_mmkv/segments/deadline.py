@@ -124,21 +124,30 @@ class DeadlineCaller:
 
 
 class WriteQueue:
-    """Runs queued calls in order on one daemon thread.
+    """Runs queued calls in order on one daemon thread: writes first, then the calls
+    of a second lane (``put_light``: an entry's touch after a hit), which has its own
+    bound, so a burst of hits never takes a write's place.
 
     Args:
         max_entries: calls waiting at most.
         max_bytes: bytes the waiting and the running call hold at most (their ``size``).
+        max_light: light calls waiting at most.
     """
 
     def __init__(
-        self, max_entries: int, max_bytes: int, name: str = "sgl_mmkv-storage-write"
+        self,
+        max_entries: int,
+        max_bytes: int,
+        name: str = "sgl_mmkv-storage-write",
+        max_light: int = 1024,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_light = max_light
         self.name = name
         self._cond = threading.Condition()
         self._queue: deque[tuple[Callable[[], Any], int]] = deque()
+        self._light: deque[tuple[Callable[[], Any], int]] = deque()
         self._bytes = 0
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -150,17 +159,29 @@ class WriteQueue:
                 return False
             self._queue.append((fn, size))
             self._bytes += size
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            self._wake()
         return True
+
+    def put_light(self, fn: Callable[[], Any]) -> bool:
+        """Queue ``fn`` in the light lane; False (nothing queued) when it is full."""
+        with self._cond:
+            if len(self._light) >= self.max_light:
+                return False
+            self._light.append((fn, 0))
+            self._wake()
+        return True
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued call has run; False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._light or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -170,9 +191,9 @@ class WriteQueue:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._light:
                     self._cond.wait()
-                fn, size = self._queue.popleft()
+                fn, size = (self._queue or self._light).popleft()
                 self._busy = True
             try:
                 fn()

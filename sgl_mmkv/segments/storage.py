@@ -254,7 +254,7 @@ class SegmentStorage:
         if self.caps is not None:
             for key, stored in zip(keys, found, strict=True):
                 if stored is not None:
-                    self._writes.put(lambda key=key: self._touch(self.entry_name(key)))
+                    self._writes.put_light(lambda key=key: self._touch(self.entry_name(key)))
         return found
 
     def _read_entries(self, keys: list[SegmentKey]) -> list[tuple[StoredSegment | None, dict]]:

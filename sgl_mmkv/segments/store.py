@@ -59,6 +59,9 @@ class Segment:
         pinned: True while its KV is still being written (canonical fill): never
             evicted or compressed then.
         persisted: True once its KV is queued for the L3 storage, or loaded from it.
+        stored_embeddings: True once its L3 entry holds its embeddings too (written or
+            loaded with them): embeddings dropped by the host cap and computed again do
+            not write the entry again.
         embeddings: ``(n_e, W)`` the vision encoder's output for the image, on the CPU
             (the rows of its placeholder tokens; DeepStack features included), or None.
     """
@@ -72,6 +75,7 @@ class Segment:
     pinned: bool = False
     persisted: bool = False
     embeddings: torch.Tensor | None = None
+    stored_embeddings: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +122,16 @@ class StoreCounters(Counters):
     # skipped), and images the vision tower encoded (refresh/segment_embeddings.py)
     vision_skipped: int = 0
     vision_encoded: int = 0
+
+
+def valid_kept(kept: torch.Tensor, m: int, n: int) -> bool:
+    """Whether ``kept`` is ``m`` strictly increasing int64 indices in ``[0, n)`` (a
+    stored compressed segment's, read from shared storage)."""
+    if kept.dtype != torch.int64 or kept.dim() != 1 or kept.numel() != m:
+        return False
+    if m == 0:
+        return True
+    return bool(kept[0] >= 0) and bool(kept[-1] < n) and bool((kept[1:] > kept[:-1]).all())
 
 
 class SegmentStore:
@@ -268,6 +282,7 @@ class SegmentStore:
             self.storage.count({"write_failed": 1})
             return
         segment.persisted = self.storage.put(segment.key, stored)
+        segment.stored_embeddings = segment.persisted and stored.embeddings is not None
 
     def _load(self, key: SegmentKey) -> Segment | None:
         """``key``'s segment from the L3 storage, in fresh store slots, or None."""
@@ -284,9 +299,7 @@ class SegmentStore:
         expected_k = (self.kv_pool.layer_num, m, *k0.shape[1:])
         expected_v = (self.kv_pool.layer_num, m, *v0.shape[1:])
         n = int(stored.positions.shape[-1])
-        kept_ok = (
-            stored.kept is None and m == n or stored.kept is not None and stored.kept.numel() == m
-        )
+        kept_ok = m == n if stored.kept is None else valid_kept(stored.kept, m, n)
         if (
             tuple(stored.keys.shape) != expected_k
             or tuple(stored.values.shape) != expected_v
@@ -309,6 +322,7 @@ class SegmentStore:
             self.kv_pool.get_value_buffer(layer)[slots] = stored.values[layer].to(v0.device)
         segment.kept = None if stored.kept is None else stored.kept.clone()
         segment.persisted = True
+        segment.stored_embeddings = stored.embeddings is not None
         if stored.embeddings is not None and self.attach_embeddings(segment, stored.embeddings):
             self.counters.embeddings_loaded += 1
         return segment
@@ -322,7 +336,8 @@ class SegmentStore:
         if not self.attach_embeddings(segment, embeddings):
             return
         self.counters.embeddings_gained += 1
-        if self.storage is not None and segment.persisted and segment.kept is None:
+        stale = segment.persisted and not segment.stored_embeddings
+        if self.storage is not None and stale and segment.kept is None:
             segment.persisted = False
             self.write_through(segment)
 
