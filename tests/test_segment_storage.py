@@ -1058,3 +1058,36 @@ def test_a_burst_of_hit_touches_never_takes_a_write_s_place():
     assert queue.drain(5.0)
     assert done[:2] == [("write", 0), ("write", 1)]  # writes go first
     assert len(done) == 10
+
+
+def test_one_storage_deadline_per_forward_not_per_request(tmp_path):
+    """Eight requests of one batch, each with an image missing in memory: one storage
+    round trip under one deadline (eight, one after another, before)."""
+    import time
+    from types import SimpleNamespace
+
+    from sgl_mmkv.refresh.plan import plan_batch
+    from tests.test_segment_store import _item, _mm
+
+    mrope = torch.arange(14).repeat(3, 1)
+    store = make_store(tmp_path)
+    calls = []
+    fetch_many = store.storage.fetch_many
+
+    def slow(keys):
+        calls.append(len(keys))
+        time.sleep(0.15)  # a backend answering in 150 ms
+        return fetch_many(keys)
+
+    store.storage.fetch_many = slow
+    batch = SimpleNamespace(
+        mm_inputs=[_mm([_item(40 + i, 3, 6)], mrope) for i in range(8)],
+        batch_size=8,
+        extend_prefix_lens_cpu=[2] * 8,
+        extend_seq_lens_cpu=[12] * 8,
+    )
+    started = time.monotonic()
+    plans = plan_batch(store, batch)
+    assert time.monotonic() - started < 0.6
+    assert calls == [8] and store.counters.lookups == 8
+    assert all(len(p.fills) == 1 and p.spans == () for p in plans)

@@ -151,13 +151,10 @@ def constant_delta(new: torch.Tensor, old: torch.Tensor) -> int | None:
     return first if bool((diff == first).all()) else None
 
 
-def plan_request(
-    store: SegmentStore, index: int, mm_inputs, prefix_len: int, extend_len: int
-) -> RequestPlan:
-    """The reuse plan of one request of an extend batch: its images are looked up and
-    filled in the request's own namespace only (none if its inputs were never tagged).
-    The images in the extend are looked up together (``SegmentStore.lookup_many``: one
-    storage round trip for those missing in memory)."""
+def _request_items(store: SegmentStore, mm_inputs, prefix_len: int, extend_len: int):
+    """``(visual, images, items)`` of one request: its visual extend mask, the images
+    whole in its extend, and ``(key, start, end, lo, hi)`` per image it may reuse or
+    fill (none if its inputs were never tagged)."""
     seq_len = prefix_len + extend_len
     visual = torch.zeros(extend_len, dtype=torch.bool)
     images, items = [], []
@@ -174,8 +171,27 @@ def plan_request(
             images.append((start, end))
         if namespace is not UNTAGGED:
             items.append((item_key(item, namespace, end - start), start, end, lo, hi))
-    in_extend = [key for key, _, _, lo, hi in items if lo < hi]
-    found = dict(zip(in_extend, store.lookup_many(in_extend), strict=True)) if in_extend else {}
+    return visual, images, items
+
+
+def plan_request(
+    store: SegmentStore,
+    index: int,
+    mm_inputs,
+    prefix_len: int,
+    extend_len: int,
+    found: dict | None = None,
+) -> RequestPlan:
+    """The reuse plan of one request of an extend batch: its images are looked up and
+    filled in the request's own namespace only (none if its inputs were never tagged).
+    ``found``: the segments of its keys already looked up (:func:`plan_batch` looks up
+    a whole batch at once); without it, the images in its extend are looked up
+    together (``SegmentStore.lookup_many``)."""
+    seq_len = prefix_len + extend_len
+    visual, images, items = _request_items(store, mm_inputs, prefix_len, extend_len)
+    if found is None:
+        in_extend = [key for key, _, _, lo, hi in items if lo < hi]
+        found = dict(zip(in_extend, store.lookup_many(in_extend), strict=True))
     spans, fills = [], []
     for key, start, end, lo, hi in items:
         positions = row_positions(mm_inputs, start, end)
@@ -199,8 +215,15 @@ def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
     mm_list = forward_batch.mm_inputs or [None] * forward_batch.batch_size
     prefix = forward_batch.extend_prefix_lens_cpu
     extend = forward_batch.extend_seq_lens_cpu
+    # Every request's images in one lookup: one storage deadline for the forward.
+    keys = []
+    for i, mm in enumerate(mm_list):
+        _, _, items = _request_items(store, mm, int(prefix[i]), int(extend[i]))
+        keys += [key for key, _, _, lo, hi in items if lo < hi]
+    found = dict(zip(keys, store.lookup_many(keys), strict=True)) if keys else {}
     plans = [
-        plan_request(store, i, mm, int(prefix[i]), int(extend[i])) for i, mm in enumerate(mm_list)
+        plan_request(store, i, mm, int(prefix[i]), int(extend[i]), found)
+        for i, mm in enumerate(mm_list)
     ]
     # A later request's lookup may load a segment from L3 storage and evict one an
     # earlier plan holds; those tokens are computed fresh instead.
