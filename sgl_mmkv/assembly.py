@@ -56,6 +56,7 @@ def assemble_runtime(
         scorer = make_eviction_scorer(config.mm_evict)
         ranker = VisualRanker(scorer, config.mm_kv_budget, spans_of)
     slot = EmbeddingSlot()
+    kernel_ok = prove_refresh_kernel(kv_pool)
     executor = RefreshExecutor.from_config(
         config,
         store,
@@ -65,7 +66,42 @@ def assemble_runtime(
         on_forward=cache.publish_metrics,
         embedding_slot=slot,
     )
+    executor.counters.kernel_reference = int(not kernel_ok)
     return MMKVRuntime(store, executor, compactor, slot, identity, cache.metrics)
+
+
+def prove_refresh_kernel(kv_pool) -> bool:
+    """On a device whose refresh passes would run the Triton kernel, check it against
+    the reference once (:func:`~sgl_mmkv.kernels.self_check.check_refresh_kernel`).
+    A mismatch or a Python error serves every refresh pass with the reference SDPA
+    path instead (exact, slower; logged once and counted in ``/metrics`` as
+    ``refresh_kernel_reference``) rather than refusing the start: reuse stays right
+    and on. A fault that leaves the device unusable raises, and the start fails.
+    Returns False when it fell back."""
+    import os
+
+    import torch
+
+    from sgl_mmkv.kernels.refresh_attention import KERNEL_ENV, default_kernel
+    from sgl_mmkv.kernels.self_check import check_refresh_kernel
+
+    k0 = kv_pool.get_key_buffer(0)
+    if default_kernel(k0.device) != "triton":
+        return True
+    v0 = kv_pool.get_value_buffer(0)
+    try:
+        reason = check_refresh_kernel(k0.device, k0.dtype, k0.shape[1], k0.shape[2], v0.shape[2])
+    except getattr(torch, "AcceleratorError", ()):  # the device is unusable: no start
+        raise
+    except Exception as error:
+        first = (str(error).splitlines() or [""])[0]
+        reason = f"the Triton refresh kernel failed ({error.__class__.__name__}: {first})"
+    if reason is None:
+        logger.info("sgl_mmkv: the Triton refresh kernel matches the reference on %s", k0.device)
+        return True
+    os.environ[KERNEL_ENV] = "sdpa"
+    logger.warning("sgl_mmkv: %s; refresh passes use the reference SDPA path", reason)
+    return False
 
 
 def _storage(config: MMKVConfig, kv_pool, identity: str, embeds: tuple[int, str]):

@@ -23,7 +23,7 @@ PREFIX = "sglang:mmkv_"
 # failures of sgl_mmkv's own path (a health signal for the operator).
 COARSE_COUNTERS: dict[str, frozenset[str]] = {
     "segments": frozenset({"requests", "image_items", "image_tokens"}),
-    "refresh": frozenset({"fallbacks"}),
+    "refresh": frozenset({"fallbacks", "kernel_reference"}),
     "row_compaction": frozenset({"failures"}),
 }
 

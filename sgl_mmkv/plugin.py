@@ -50,6 +50,7 @@ def _patches_for(config) -> list:
             patches.mm_processor_flush,
             patches.tokenizer_caller_hashes,
             patches.scheduler_runtime_check,
+            patches.weight_updates,
         ]
     if config.compresses_at_decode or config.reuses_with_holes:
         modules.append(patches.scheduler_run_batch)
@@ -62,7 +63,12 @@ def _install(config) -> None:
     _register_radix_cache_backend()
     for module in _patches_for(config):
         module.register()
-        REGISTERED_TARGETS.append(module.TARGET)
+        REGISTERED_TARGETS.extend(targets_of(module))
+
+
+def targets_of(module) -> list[str]:
+    """The SGLang functions a patch module hooks (``TARGETS``, or its one ``TARGET``)."""
+    return list(getattr(module, "TARGETS", None) or [module.TARGET])
 
 
 def verify_hooks() -> None:

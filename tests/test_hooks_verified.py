@@ -14,7 +14,7 @@ from sgl_mmkv.config import MMKVConfig
 
 def test_each_mode_registers_its_patches():
     targets = {
-        name: [m.TARGET for m in plugin._patches_for(MMKVConfig(**kw))]
+        name: [t for m in plugin._patches_for(MMKVConfig(**kw)) for t in plugin.targets_of(m)]
         for name, kw in {
             "off": {},
             "exact": {"mm_reuse": "exact"},
@@ -23,7 +23,20 @@ def test_each_mode_registers_its_patches():
         }.items()
     }
     assert targets["off"] == [] and targets["exact"] == []
-    assert len(targets["conduit"]) == 5 and len(targets["report"]) == 6
+    assert len(targets["conduit"]) == 9 and len(targets["report"]) == 10
+    weight_updates = [t for t in targets["conduit"] if ".update_weights_from_" in t]
+    assert len(weight_updates) == 4  # disk, tensor, distributed, IPC
+
+
+def test_every_target_names_a_function_of_this_sglang():
+    import pkgutil
+
+    from sgl_mmkv import patches
+
+    for name in patches.__all__:
+        for target in plugin.targets_of(getattr(patches, name)):
+            owner, attribute = target.rsplit(".", 1)
+            assert callable(getattr(pkgutil.resolve_name(owner), attribute)), target
 
 
 def test_a_hook_sglang_did_not_apply_stops_the_start(monkeypatch, tmp_path):

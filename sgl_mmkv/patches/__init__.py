@@ -14,6 +14,7 @@ from sgl_mmkv.patches import (  # noqa: E402
     scheduler_run_batch,
     scheduler_runtime_check,
     tokenizer_caller_hashes,
+    weight_updates,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "scheduler_internal_state",
     "scheduler_runtime_check",
     "tokenizer_caller_hashes",
+    "weight_updates",
 ]

@@ -42,6 +42,20 @@ def model_identity(model_config) -> str:
     return f"{path}@{revision}#config={config};weights={weights};dtype={dtype};quant={quant}"
 
 
+def updated_identity(model_config, from_disk: bool, weight_version: str | None) -> str:
+    """The identity after a weight update. From disk: :func:`model_identity` of
+    ``model_config`` as the update left it (its path set to the new checkpoint, whose
+    files' digest names the weights). From tensors, IPC or a collective there are no
+    files: the weight version SGLang records names them, and without one they get a
+    random identity, so their entries are shared with no one."""
+    base = model_identity(model_config) if model_config is not None else "unknown"
+    if from_disk and model_config is not None:
+        return base
+    if weight_version not in (None, "", "default"):
+        return f"{base};version={weight_version}"
+    return f"{base};update={os.urandom(8).hex()}"
+
+
 def weights_digest(model_path: str) -> str:
     """16 hex digits over the weight files of directory ``model_path``: names, sizes,
     safetensors headers (or ``model.safetensors.index.json``) and sampled bytes;

@@ -110,6 +110,7 @@ class StorageCounters(Counters):
     write_skipped: int = 0  # already stored (by us or another instance)
     write_failed: int = 0  # also: the store is full, or not reachable
     write_dropped: int = 0  # the write queue was full: not written
+    write_stale: int = 0  # queued before a weight update: not written
     write_slow: int = 0  # writes that took longer than the deadline (off the forward)
     rewritten: int = 0  # a damaged entry removed and written again
     too_large: int = 0  # an entry larger than a cap (or Mooncake's buffer): not written
@@ -186,6 +187,7 @@ class SegmentStorage:
         self.directory = directory
         self.counters = StorageCounters()
         self._fingerprint_fields = asdict(fingerprint)
+        self._generation = 0  # bumped by rebind(): writes queued before it are dropped
         self._lock = threading.Lock()
         self._damaged: OrderedDict[str, None] = OrderedDict()
         self._reads = DeadlineCaller(limits.deadline_s)
@@ -392,7 +394,8 @@ class SegmentStorage:
         """Queue :meth:`save` of ``stored`` (CPU tensors the queue now owns); False when
         the queue is full (``write_dropped``)."""
         size = sum(int(t.numel() * t.element_size()) for t in payload_parts(stored))
-        if self._writes.put(lambda: self.save(key, stored), size):
+        generation = self._generation
+        if self._writes.put(lambda: self._save_of(generation, key, stored), size):
             return True
         self.count({"write_dropped": 1})
         return False
@@ -400,6 +403,21 @@ class SegmentStorage:
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait for every queued write; False if ``timeout_s`` passed first."""
         return self._writes.drain(timeout_s)
+
+    def rebind(self, fingerprint: KVFingerprint) -> None:
+        """Serve ``fingerprint`` from now on (the model's weights changed): entries are
+        read and written under it only, and writes still queued (KV of the weights
+        before) are dropped (``write_stale``), never written under the new one."""
+        with self._lock:
+            self.fingerprint = fingerprint
+            self._fingerprint_fields = asdict(fingerprint)
+            self._generation += 1
+
+    def _save_of(self, generation: int, key: SegmentKey, stored: StoredSegment) -> bool:
+        if generation != self._generation:
+            self.count({"write_stale": 1})
+            return False
+        return self.save(key, stored)
 
     def save(self, key: SegmentKey, stored: StoredSegment) -> bool:
         """Write ``stored`` under ``key`` unless an intact entry is there (one without

@@ -36,7 +36,7 @@ from sgl_mmkv.counters import Counters
 from sgl_mmkv.scoring.base import top_tokens
 from sgl_mmkv.segments.key import SegmentKey
 from sgl_mmkv.segments.poison import poison_slots
-from sgl_mmkv.segments.storage import SegmentStorage, StoredSegment
+from sgl_mmkv.segments.storage import KVFingerprint, SegmentStorage, StoredSegment
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class StoreCounters(Counters):
     # skipped), and images the vision tower encoded (refresh/segment_embeddings.py)
     vision_skipped: int = 0
     vision_encoded: int = 0
+    weight_updates: int = 0  # every segment dropped: the weights changed
 
 
 def valid_kept(kept: torch.Tensor, m: int, n: int) -> bool:
@@ -472,6 +473,15 @@ class SegmentStore:
         if self.compress_budget is None or num_tokens <= 0:
             return 0
         return self.compress_lru(num_tokens, self.compress_budget)
+
+    def forget_weights(self, fingerprint: KVFingerprint | None) -> None:
+        """The model's weights changed: every segment and its embeddings go (their KV
+        and encoder output are the old weights'), and the L3 storage serves
+        ``fingerprint`` (the new identity's) from now on, dropping queued writes."""
+        self.clear(free_slots=True)
+        self.counters.weight_updates += 1
+        if self.storage is not None and fingerprint is not None:
+            self.storage.rebind(fingerprint)
 
     def clear(self, free_slots: bool) -> None:
         """Drop every segment; ``free_slots=False`` when the allocator is being
