@@ -15,7 +15,7 @@ import torch
 
 from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.plan import RequestPlan
-from sgl_mmkv.refresh.row_kv import row_kv_at
+from sgl_mmkv.refresh.row_kv import kv_at, row_slots_at
 from sgl_mmkv.scoring import TokenScorer
 
 
@@ -49,6 +49,7 @@ class ProbePass:
             if rows.numel():
                 self.rows[plan.index] = rows
         self.stale: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.slots: dict[int, torch.Tensor] = {}  # the probes' pool slots, on the device
 
     def mask(self, plan: RequestPlan) -> torch.Tensor:
         """``(extend_len,)`` bool host mask of ``plan``'s probes."""
@@ -60,9 +61,12 @@ class ProbePass:
 
     def keep_stale(self, ctx: ExtendContext) -> None:
         """Copy every probe's K/V of every layer before the pass writes over it."""
-        layers = range(ctx.model_runner.token_to_kv_pool.layer_num)
+        pool = ctx.model_runner.token_to_kv_pool
         for index, rows in self.rows.items():
-            self.stale[index] = [_kv(ctx, index, layer, rows) for layer in layers]
+            self.slots[index] = row_slots_at(ctx.model_runner, ctx.forward_batch, index, rows)
+            self.stale[index] = [
+                kv_at(pool, layer, self.slots[index]) for layer in range(pool.layer_num)
+            ]
 
     def deviation(self, ctx: ExtendContext, plan: RequestPlan) -> torch.Tensor | None:
         """``(L, m)`` float32 on the pool's device: the scorer's ``deviation`` of each
@@ -70,12 +74,9 @@ class ProbePass:
         rows = self.rows.get(plan.index)
         if rows is None:
             return None
+        pool, slots = ctx.model_runner.token_to_kv_pool, self.slots[plan.index]
         per_layer = [
-            self.scorer.deviation(*stale, *_kv(ctx, plan.index, layer, rows))
+            self.scorer.deviation(*stale, *kv_at(pool, layer, slots))
             for layer, stale in enumerate(self.stale[plan.index])
         ]
         return torch.stack(per_layer)
-
-
-def _kv(ctx: ExtendContext, index: int, layer: int, rows: torch.Tensor):
-    return row_kv_at(ctx.model_runner, ctx.forward_batch, index, layer, rows)

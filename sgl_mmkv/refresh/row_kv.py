@@ -49,12 +49,13 @@ def row_kv(
     return keys, values
 
 
-def row_kv_at(
-    model_runner, forward_batch, index: int, layer: int, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, H_kv, d)`` copies of K and V at ``layer`` of request ``index``'s row
-    ``positions`` ``(m,)`` int64 (host, moved to the pool's device here) alone."""
-    pool = model_runner.token_to_kv_pool
+def row_slots_at(model_runner, forward_batch, index: int, positions: torch.Tensor) -> torch.Tensor:
+    """``(m,)`` pool slots of request ``index``'s row ``positions`` ``(m,)`` int64
+    (host): one host-to-device copy, made once per request, never per layer."""
     row = _row(model_runner, forward_batch, index)
-    slots = row[positions.to(row.device)]
+    return row[positions.to(row.device)]
+
+
+def kv_at(pool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, H_kv, d)`` copies of K and V at ``layer`` of ``slots`` (on the pool's device)."""
     return pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]

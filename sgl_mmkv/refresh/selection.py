@@ -29,7 +29,7 @@ from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.probes import ProbePass
-from sgl_mmkv.refresh.row_kv import row_kv, row_kv_at
+from sgl_mmkv.refresh.row_kv import kv_at, row_kv, row_slots_at
 from sgl_mmkv.scoring import RefreshBudget, ScoringInputs, TokenScorer
 
 
@@ -114,9 +114,8 @@ class TokenSelector:
         for the refresh pass."""
         pool = ctx.model_runner.token_to_kv_pool
         layers = self.scorer.deviation_layers(pool.layer_num)
-        stale = {
-            p.index: [_visual_kv(ctx, p, layer) for layer in layers] for p in ctx.plans if p.spans
-        }
+        slots = {p.index: _visual_slots(ctx, p) for p in ctx.plans if p.spans}
+        stale = {i: [kv_at(pool, layer, s) for layer in layers] for i, s in slots.items()}
         whole = [~p.hole_mask() for p in ctx.plans]
         self.counters.executed_flops += ctx.pass_flops(whole)
         run_pass(ctx, whole)
@@ -127,7 +126,7 @@ class TokenSelector:
                 continue
             deviation = torch.stack(
                 [
-                    self.scorer.deviation(*kv, *_visual_kv(ctx, plan, layer))
+                    self.scorer.deviation(*kv, *kv_at(pool, layer, slots[plan.index]))
                     for layer, kv in zip(layers, stale[plan.index], strict=True)
                 ]
             )
@@ -218,12 +217,12 @@ def _row_kv(ctx: ExtendContext, plan: RequestPlan):
     return view.rows(keys), view.rows(values)
 
 
-def _visual_kv(ctx: ExtendContext, plan: RequestPlan, layer: int):
-    """``(N_v, H_kv, d)`` K and V at ``layer`` of ``plan``'s reused tokens that hold
-    KV, in :func:`_spans` order."""
+def _visual_slots(ctx: ExtendContext, plan: RequestPlan) -> torch.Tensor:
+    """``(N_v,)`` pool slots of ``plan``'s reused tokens that hold KV, in :func:`_spans`
+    order, on the pool's device (made once per request, read per layer)."""
     compacted = [torch.arange(s, e) for s, e in _spans(ctx, plan)]
     positions = torch.cat(compacted)
     view = ctx.views[plan.index]
     if view is not None:
         positions = view.kept[positions]
-    return row_kv_at(ctx.model_runner, ctx.forward_batch, plan.index, layer, positions)
+    return row_slots_at(ctx.model_runner, ctx.forward_batch, plan.index, positions)

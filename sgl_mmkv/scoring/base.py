@@ -127,10 +127,19 @@ class ScoringInputs:
         )
 
     def image_ids(self) -> torch.Tensor:
-        """``(N_v,)`` index of the image each visual token belongs to, on :attr:`device`."""
-        counts = torch.tensor([e - s for s, e in self.image_spans], dtype=torch.long)
-        ids = torch.arange(len(self.image_spans)).repeat_interleave(counts)
-        return ids.to(self.device)
+        """``(N_v,)`` index of the image each visual token belongs to, on :attr:`device`
+        (made there from host integers: no host-to-device copy)."""
+        return self.per_image([*range(len(self.image_spans))])
+
+    def per_image(self, values: list[int]) -> torch.Tensor:
+        """``(N_v,)`` int64 on :attr:`device`: ``values[j]`` at every token of image
+        ``j`` (filled there, one small fill per image: no host-to-device copy, which
+        is a stream sync on CUDA from pageable memory)."""
+        parts = [
+            torch.full((e - s,), v, dtype=torch.long, device=self.device)
+            for (s, e), v in zip(self.image_spans, values, strict=True)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,15 +109,15 @@ class StaleProbeScorer(ProphetKVScorer):
         stale = self._stale(z, images, inputs.probe_deviation.shape[0])
         lengths = [e - s for s, e in inputs.image_spans]
         quotas = [_share(self.auto_fraction, n) for n in lengths]  # host ints: exact
-        sizes = torch.tensor(lengths, dtype=torch.long, device=inputs.device)
-        quota = torch.tensor(quotas, dtype=torch.long, device=inputs.device) * stale
+        starts = [sum(lengths[:j]) for j in range(len(lengths))]
         ids = inputs.image_ids()
+        quota = inputs.per_image(quotas) * stale[ids]  # per token: its image's quota
+        start = inputs.per_image(starts)  # per token: its image's first visual index
         ranking = self._weighted(inputs, z).float().index_fill(0, probe, float("inf"))
         by_score = torch.argsort(ranking, descending=True, stable=True)
         order = by_score[torch.argsort(ids[by_score], stable=True)]  # by image, then score
-        starts = torch.cumsum(sizes, 0) - sizes
-        rank = torch.arange(order.numel(), device=inputs.device) - starts[ids[order]]
-        keep = order[rank < quota[ids[order]]]
+        rank = torch.arange(order.numel(), device=inputs.device) - start[order]
+        keep = order[rank < quota[order]]
         return inputs.visual_positions[keep].sort().values
 
     def staleness(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
