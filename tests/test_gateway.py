@@ -146,7 +146,8 @@ def quiet_log(caplog):
     traceback (the gateway answers bad input, it does not crash on it)."""
     caplog.set_level(logging.INFO)
     yield caplog
-    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    records = [r for when in ("setup", "call", "teardown") for r in caplog.get_records(when)]
+    bad = [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
     assert bad == [], [f"{r.name}: {r.getMessage()}" for r in bad]
 
 
@@ -324,7 +325,8 @@ TE = b"Transfer-Encoding: chunked\r\n"
 BODY = b'{"text": "hi"}'
 MALFORMED = {
     # framing the old hand parser got wrong: the request was dropped with a traceback
-    "content-length superscript two": _post("Content-Length: \u00b2\r\n".encode(), b"ab"),
+    "content-length superscript two": _post(b"Content-Length: \xb2\r\n", b"ab"),  # latin-1
+    "content-length superscript two, UTF-8": _post(b"Content-Length: \xc2\xb2\r\n", b"ab"),
     "content-length of 4,301 digits": _post(b"Content-Length: %s\r\n" % (b"9" * 4301), b""),
     # ... or read leniently and forwarded
     "vertical tab before chunked": _post(b"Transfer-Encoding: \x0bchunked\r\n", _chunked(BODY, 4)),
@@ -458,8 +460,9 @@ def test_an_unreachable_or_silent_router_is_502_without_its_address(listening, q
 
 class StandIn:
     """A stand-in router on its own event loop. Every request is answered with an event
-    stream that never ends (``stream``), or never answered (``hold``); ``closed``
-    is set when the gateway closes the connection (a write or read fails)."""
+    stream that never ends (``stream``), one event and then silence (``stall``), or
+    never answered (``hold``); ``closed`` is set when the gateway closes the
+    connection (a write or read fails)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -487,6 +490,10 @@ class StandIn:
                 b"Transfer-Encoding: chunked\r\n\r\n"
             )
             event = b"data: " + b"x" * 32_000 + b"\n\n"
+            if self.mode == "stall":  # one event, then silence
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await reader.read()
+                return
             while True:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
@@ -568,6 +575,19 @@ def test_a_client_that_stops_reading_a_stream_is_dropped(gateway, stand_in, quie
         assert router.closed.wait(15)
         assert time.monotonic() - started < 8
     assert g.gateway.counters.clients_dropped == 1
+
+
+def test_a_stream_the_router_stalls_is_cut_after_the_upstream_timeout(gateway, stand_in, quiet_log):
+    """The client sees its connection end without the last chunk (not a clean end of a
+    truncated answer), and the router's connection is closed."""
+    router = stand_in("stall")
+    g = gateway(router.port, upstream_timeout_s=0.5)
+    started = time.monotonic()
+    out = _raw(g.port, STREAM_REQUEST)
+    assert out.startswith(b"HTTP/1.1 200 ") and b"data: xxx" in out
+    assert not out.endswith(b"0\r\n\r\n") and time.monotonic() - started < 3
+    assert router.closed.wait(5)
+    assert g.gateway.counters.upstream_errors == 1
 
 
 def test_connections_past_the_cap_are_answered_503(upstream, gateway, quiet_log):

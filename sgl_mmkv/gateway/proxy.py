@@ -31,7 +31,7 @@ import asyncio
 import json
 import logging
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -386,7 +386,6 @@ class Gateway:
         """Relay the router's response piece by piece, each written within
         ``write_timeout_s``; cut short (the client's connection aborted) when the
         client stops reading or the router's body breaks off."""
-        c = self.config
         out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         out.headers.extend(_end_to_end(upstream.headers, _RESPONSE_OWN))
         if upstream.content_length is not None and "chunked" not in _tokens(
@@ -394,26 +393,49 @@ class Gateway:
         ):
             out.content_length = upstream.content_length
         try:
-            await asyncio.wait_for(out.prepare(request), c.write_timeout_s)
-            async for piece in upstream.content.iter_any():
-                await asyncio.wait_for(out.write(piece), c.write_timeout_s)
-            await asyncio.wait_for(out.write_eof(), c.write_timeout_s)
+            await self._to_client(out.prepare(request))
+            while piece := await _from_router(upstream):
+                await self._to_client(out.write(piece))
+            await self._to_client(out.write_eof())
             upstream.release()
-        except (asyncio.TimeoutError, ConnectionError) as e:
+        except _ClientGone as e:
             self.counters.clients_dropped += 1
-            log.info("dropped a client mid-response: %s", type(e).__name__)
+            log.info("dropped a client mid-response: %s", type(e.__cause__).__name__)
             _abort(request)
-        except (aiohttp.ClientError, HttpProcessingError) as e:
+        except _RouterBroke as e:
             self.counters.upstream_errors += 1
-            log.warning("the router's response broke off: %s", type(e).__name__)
+            log.warning("the router's response broke off: %s", type(e.__cause__).__name__)
             _abort(request)
         return out
+
+    async def _to_client(self, step: Awaitable[Any]) -> None:
+        """One write to the client, taken within ``write_timeout_s``."""
+        try:
+            await asyncio.wait_for(step, self.config.write_timeout_s)
+        except (asyncio.TimeoutError, ConnectionError) as e:
+            raise _ClientGone from e
 
     def _bad_gateway(self, status: int, message: str, e: BaseException) -> web.Response:
         """A 502 / 504 without the router's address or the error's text (logged)."""
         self.counters.upstream_errors += 1
         log.warning("router request failed (%s): %s", status, e)
         return _error(status, message)
+
+
+class _ClientGone(Exception):
+    """The client stopped reading (``write_timeout_s``) or closed its connection."""
+
+
+class _RouterBroke(Exception):
+    """The router's response body broke off or stalled (``upstream_timeout_s``)."""
+
+
+async def _from_router(upstream: aiohttp.ClientResponse) -> bytes:
+    """The next piece of the router's response body as it arrives; ``b""`` at its end."""
+    try:
+        return await upstream.content.readany()
+    except (aiohttp.ClientError, HttpProcessingError, asyncio.TimeoutError, OSError) as e:
+        raise _RouterBroke from e
 
 
 def _utf8(value: str) -> bool:
