@@ -642,6 +642,23 @@ def test_a_slow_body_is_answered_408(upstream, gateway, quiet_log):
     assert upstream.seen == []
 
 
+def test_a_client_gone_while_its_request_is_read_is_let_go(upstream, gateway, quiet_log):
+    g = gateway()
+    cut = [
+        _post(b"Content-Length: 100\r\n", b"{" * 10),
+        _post(TE, b"5\r\n{"),
+        _post(b"Content-Length: 2\r\nExpect: 100-continue\r\n", b""),
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le",
+    ]
+    for wire in cut:
+        with socket.create_connection(("127.0.0.1", g.port), timeout=10) as s:
+            s.sendall(wire)
+            time.sleep(0.05)
+    time.sleep(0.2)
+    assert requests.get(g.url + "/v1/models", timeout=10).status_code == 200
+    assert len(upstream.seen) == 1
+
+
 def test_the_config_refuses_bounds_out_of_range():
     GatewayConfig("127.0.0.1", 1)
     for bad in (

@@ -298,7 +298,9 @@ class Gateway:
             return _Busy(min(self.config.linger_s, 1.0))
         return self._web()
 
-    def _request(self, message: Any, payload: Any, protocol: Any, writer: Any, task: Any):
+    def _request(
+        self, message: Any, payload: Any, protocol: Any, writer: Any, task: Any
+    ) -> web.BaseRequest:
         """aiohttp's request, with the gateway's body limit."""
         return web.BaseRequest(
             message,
@@ -311,6 +313,15 @@ class Gateway:
         )
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """One request; a client that leaves while it is read is let go quietly."""
+        try:
+            return await self._serve(request)
+        except ConnectionError:
+            self.counters.clients_dropped += 1
+            _abort(request)
+            return web.Response(status=400)  # not sent: aiohttp finds the connection gone
+
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         """One request: read its body, set the routing header, forward, relay."""
         c = self.config
         self.counters.requests += 1
