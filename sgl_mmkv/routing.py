@@ -46,14 +46,17 @@ def _decoded(payload: str, strict: bool) -> bytes | None:
 def image_digest(url: str) -> str:
     """SHA-256 hex of an image's content: the decoded bytes of a base64 ``data:`` URL
     or of a raw base64 string (as SGLang reads an image string that is neither a URL
-    nor a path), else the string itself."""
+    nor a path), else the string itself (UTF-8; a lone surrogate, which a JSON body
+    may hold, encoded as it is)."""
     raw = None
     if url.startswith("data:"):
         if ";base64," in url:
             raw = _decoded(url.split(";base64,", 1)[1], strict=False)
     elif url and not url.startswith(_NOT_BASE64):
         raw = _decoded(url, strict=True)
-    return hashlib.sha256(url.encode() if raw is None else raw).hexdigest()
+    if raw is None:  # a JSON body may hold a lone surrogate ("\\ud800"): hashed as is
+        raw = url.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()
 
 
 def image_urls(messages: Any) -> list[str]:

@@ -2,26 +2,35 @@
 
 The gateway runs in this process (its own event loop in a thread); the upstream is a
 threaded HTTP server that records what reached it and answers JSON, a chunked event
-stream held until the test releases it, or a chosen status. The two-instance test
-behind the real router is tests/test_routing_server.py.
+stream held until the test releases it, or a chosen status. A stand-in router on its
+own event loop streams without end or never answers, and records when the gateway
+closes its connection. Malformed requests go over raw sockets; every one must be
+answered 4xx (or the connection closed) without reaching the upstream and without an
+ERROR in the log. The two-instance test behind the real router is
+tests/test_routing_server.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import logging
+import random
 import socket
 import subprocess
 import sys
 import threading
+import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
 
 from sgl_mmkv.gateway.proxy import Gateway, GatewayConfig
-from sgl_mmkv.routing import ROUTING_KEY_HEADER, affinity_headers
+from sgl_mmkv.routing import ROUTING_KEY_HEADER, affinity_headers, affinity_key
 from sgl_mmkv.testing.images import make_image, png_bytes, user_message
 
 LIMIT = 200_000
@@ -110,15 +119,7 @@ class _Running:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:  # connections kept alive
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.server.wait_closed()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.gateway.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
@@ -128,14 +129,26 @@ class _Running:
 def gateway(upstream):
     made = []
 
-    def make(**options) -> _Running:
-        port = upstream.server_address[1]
-        made.append(_Running(GatewayConfig("127.0.0.1", port, max_body_bytes=LIMIT, **options)))
+    def make(port: int | None = None, **options) -> _Running:
+        options.setdefault("max_body_bytes", LIMIT)
+        config = GatewayConfig("127.0.0.1", port or upstream.server_address[1], **options)
+        made.append(_Running(config))
         return made[-1]
 
     yield make
     for running in made:
         running.close()
+
+
+@pytest.fixture
+def quiet_log(caplog):
+    """The log records of the test; at the end, none may be an ERROR or carry a
+    traceback (the gateway answers bad input, it does not crash on it)."""
+    caplog.set_level(logging.INFO)
+    yield caplog
+    records = [r for when in ("setup", "call", "teardown") for r in caplog.get_records(when)]
+    bad = [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
+    assert bad == [], [f"{r.name}: {r.getMessage()}" for r in bad]
 
 
 def _chat(seeds: list[int], text: str = "Describe.") -> dict:
@@ -299,33 +312,365 @@ def test_expect_continue_and_an_http10_client(upstream, gateway):
     assert b"transfer-encoding" not in head.lower() and data == b"".join(EVENTS)  # dechunked
 
 
-def test_malformed_requests_are_answered_400(upstream, gateway):
+def _post(framing: bytes, body: bytes, path: bytes = b"/generate") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\n%s\r\n%s" % (path, framing, body)
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+TE = b"Transfer-Encoding: chunked\r\n"
+BODY = b'{"text": "hi"}'
+MALFORMED = {
+    # framing the old hand parser got wrong: the request was dropped with a traceback
+    "content-length superscript two": _post(b"Content-Length: \xb2\r\n", b"ab"),  # latin-1
+    "content-length superscript two, UTF-8": _post(b"Content-Length: \xc2\xb2\r\n", b"ab"),
+    "content-length of 4,301 digits": _post(b"Content-Length: %s\r\n" % (b"9" * 4301), b""),
+    # ... or read leniently and forwarded
+    "vertical tab before chunked": _post(b"Transfer-Encoding: \x0bchunked\r\n", _chunked(BODY, 4)),
+    "vertical tab after a length": _post(b"Content-Length: 5\x0b\r\n", b"12345"),
+    "bare LF line ends": b"POST /generate HTTP/1.1\nHost: x\nContent-Length: 2\n\n{}",
+    "bare LF after the request line": _post(b"Content-Length: 2\r\n", b"{}").replace(
+        b"HTTP/1.1\r\n", b"HTTP/1.1\n"
+    ),
+    # framing
+    "length and chunked": _post(b"Content-Length: 3\r\n" + TE, _chunked(BODY, 4)),
+    "two lengths": _post(b"Content-Length: 2\r\nContent-Length: 3\r\n", b"{}x"),
+    "negative length": _post(b"Content-Length: -2\r\n", b"{}"),
+    "signed length": _post(b"Content-Length: +2\r\n", b"{}"),
+    "hex length": _post(b"Content-Length: 0x2\r\n", b"{}"),
+    "chunked not last": _post(b"Transfer-Encoding: chunked, gzip\r\n", _chunked(BODY, 4)),
+    "unknown coding": _post(b"Transfer-Encoding: gzip\r\n", BODY),
+    "chunked twice": _post(TE + TE, _chunked(BODY, 4)),
+    "bad chunk size": _post(TE, b"zz\r\n{}\r\n0\r\n\r\n"),
+    "huge chunk size": _post(TE, b"%s\r\n{}\r\n0\r\n\r\n" % (b"f" * 40)),
+    "chunk without its CRLF": _post(TE, b"2\r\n{}XX0\r\n\r\n"),
+    "chunk size with a space": _post(TE, b"2 3\r\n{}\r\n0\r\n\r\n"),
+    # request line
+    "garbage": b"GARBAGE\r\n\r\n",
+    "bad method": b"G(T / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "control in the target": b"GET /a\x01b HTTP/1.1\r\nHost: x\r\n\r\n",
+    "CR in the target": b"GET /a\rb HTTP/1.1\r\nHost: x\r\n\r\n",
+    "space in the target": b"GET /a b HTTP/1.1\r\nHost: x\r\n\r\n",
+    "no version": b"GET /\r\nHost: x\r\n\r\n",
+    "bad version": b"GET / HTTP/1.x\r\nHost: x\r\n\r\n",
+    "HTTP/2.0": b"GET / HTTP/2.0\r\nHost: x\r\n\r\n",
+    "HTTP/0.9": b"GET / HTTP/0.9\r\nHost: x\r\n\r\n",
+    "request line too long": b"GET /%s HTTP/1.1\r\nHost: x\r\n\r\n" % (b"a" * 70_000),
+    # headers
+    "no colon": b"GET / HTTP/1.1\r\nHost x\r\n\r\n",
+    "space before the colon": b"GET / HTTP/1.1\r\nHost : x\r\n\r\n",
+    "empty name": b"GET / HTTP/1.1\r\n: x\r\n\r\n",
+    "NUL in a value": b"GET / HTTP/1.1\r\nX: a\x00b\r\n\r\n",
+    "CR in a value": b"GET / HTTP/1.1\r\nX: a\rb\r\n\r\n",
+    "folded line": b"GET / HTTP/1.1\r\nX: a\r\n b\r\n\r\n",
+    "line too long": b"GET / HTTP/1.1\r\nX: %s\r\n\r\n" % (b"a" * 70_000),
+    "too many headers": b"GET / HTTP/1.1\r\n%s\r\n" % (b"X: a\r\n" * 200),
+    "two hosts": b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+}
+
+
+def _answer_or_close(out: bytes) -> None:
+    """A gateway refusal: a 4xx (or 505) status line, or a closed connection with
+    nothing."""
+    if out:
+        status = out.split(b" ", 2)[1]  # 505 for HTTP/0.9 and 2.0 echoes their version
+        assert out.startswith(b"HTTP/"), out[:200]
+        assert status.startswith(b"4") or status == b"505", out[:200]
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_requests_are_refused_without_a_traceback(name, upstream, gateway, quiet_log):
     g = gateway()
-    assert _raw(g.port, b"GARBAGE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    both = b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
-    assert _raw(g.port, both).startswith(b"HTTP/1.1 400 ")
-    assert _raw(g.port, b"GET / HTTP/2.0\r\n\r\n").startswith(b"HTTP/1.1 505 ")
-    assert _raw(g.port, b"GET /a\rb HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    assert _raw(g.port, b"GET / HTTP/1.1\r\nX: a\rb\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    assert upstream.seen == []
+    _answer_or_close(_raw(g.port, MALFORMED[name]))
+    assert upstream.seen == []  # never forwarded
+
+
+def test_mutated_requests_are_answered_or_refused_never_crash(upstream, gateway, quiet_log):
+    """Valid requests with one byte changed to a troublesome one: each is forwarded (the
+    upstream answers) or refused 4xx, and nothing reaches the log as an ERROR."""
+    g = gateway(idle_timeout_s=0.5, read_timeout_s=0.5)  # a length made longer
+    valid = _post(b"Content-Length: %d\r\nConnection: close\r\n" % len(BODY), BODY)
+    chunked = _post(TE + b"Connection: close\r\n", _chunked(BODY, 5))
+    rng = random.Random(0)
+    troublesome = b"\x00\x0b\x0c\r\n \t:;,\x7f\x80\xb2\xff0-+"
+    for _ in range(120):
+        wire = bytearray(rng.choice([valid, chunked]))
+        i = rng.randrange(len(wire))
+        wire[i : i + rng.choice([0, 1])] = bytes([rng.choice(troublesome)])
+        out = _raw(g.port, bytes(wire))
+        if b"X-Upstream: yes" not in out.split(b"\r\n\r\n")[0]:
+            _answer_or_close(out)
+
+
+def test_a_lone_surrogate_in_an_image_url_still_gets_a_key(upstream, gateway, quiet_log):
+    """``"\\ud800"`` is valid JSON but no UTF-8: the old key computation raised."""
+    g = gateway()
+    body = b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
+    body += b'"image_url": {"url": "http://x/\\ud800"}}]}]}'
+    r = requests.post(g.url + "/v1/chat/completions", data=body, timeout=10)
+    assert r.status_code == 200 and r.json()["n"] == len(body)
+    (seen,) = upstream.seen
+    assert _routing(seen) == [(ROUTING_KEY_HEADER, affinity_key(["http://x/\ud800"]))]
+
+
+def test_a_body_of_tiny_chunks_is_read_in_bounded_memory(upstream, gateway, quiet_log):
+    """300,000 chunks of two bytes (a 0.6 MB body): the old parser peaked at 37.7 MB."""
+    g = gateway(max_body_bytes=2**20)
+    body = b'"' + b"ab" * 299_999 + b'"'
+    wire = _post(TE + b"Connection: close\r\n", _chunked(body, 2))
+    tracemalloc.start()
+    try:
+        out = _raw(g.port, wire)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.startswith(b"HTTP/1.1 200 ")
+    assert upstream.seen[0]["body"] == body
+    assert peak < 5 * 2**20, peak  # the body and its copy at the upstream: 1.2 MB
+
+
+def _close_each(listener: socket.socket) -> None:
+    """Accept connections and close each without an answer (aiohttp's client tries
+    an idempotent request a second time), until the listener is closed."""
+    with contextlib.suppress(OSError):
+        while True:
+            listener.accept()[0].close()
 
 
 @pytest.mark.parametrize("listening", [False, True])
-def test_an_unreachable_or_silent_router_is_502(listening):
+def test_an_unreachable_or_silent_router_is_502_without_its_address(listening, quiet_log):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connections are refused
         if listening:
             s.listen()
-            closer = threading.Thread(target=lambda: s.accept()[0].close(), daemon=True)
-            closer.start()  # accepts, then closes without an answer
+            threading.Thread(target=_close_each, args=(s,), daemon=True).start()
         running = _Running(GatewayConfig("127.0.0.1", port))
         try:
             r = requests.get(running.url + "/v1/models", timeout=10)
         finally:
             running.close()
     assert r.status_code == 502 and r.json()["error"]["code"] == 502
+    assert "127.0.0.1" not in r.text and str(port) not in r.text  # was repr(e)
     assert running.gateway.counters.upstream_errors == 1
+
+
+class StandIn:
+    """A stand-in router on its own event loop. Every request is answered with an event
+    stream that never ends (``stream``), one event and then silence (``stall``), or
+    never answered (``hold``); ``closed`` is set when the gateway closes the
+    connection (a write or read fails)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.requested = threading.Event()
+        self.closed = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        start = asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(10)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    await reader.readexactly(int(line.split(b":")[1]))
+            self.requested.set()
+            if self.mode == "hold":
+                await reader.read()  # b"" once the gateway closes the connection
+                return
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            event = b"data: " + b"x" * 32_000 + b"\n\n"
+            if self.mode == "stall":  # one event, then silence
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await reader.read()
+                return
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def stand_in():
+    made = []
+
+    def make(mode: str) -> StandIn:
+        made.append(StandIn(mode))
+        return made[-1]
+
+    yield make
+    for router in made:
+        router.close()
+
+
+STREAM_REQUEST = _post(b"Content-Length: 2\r\n", b"{}", b"/v1/chat/completions")
+
+
+def test_a_client_gone_before_the_answer_cancels_the_router_request(gateway, stand_in, quiet_log):
+    """The router holds a non-streamed answer; the client leaves. The old gateway
+    noticed only when the head came (or after ``upstream_timeout_s``, 1,800 s)."""
+    router = stand_in("hold")
+    g = gateway(router.port)
+    with socket.create_connection(("127.0.0.1", g.port), timeout=10) as s:
+        s.sendall(STREAM_REQUEST)
+        assert router.requested.wait(10)
+    gone = time.monotonic()
+    assert router.closed.wait(10)
+    assert time.monotonic() - gone < 3
+
+
+def test_a_client_gone_mid_stream_closes_the_router_stream(gateway, stand_in, quiet_log):
+    router = stand_in("stream")
+    g = gateway(router.port)
+    with socket.create_connection(("127.0.0.1", g.port), timeout=10) as s:
+        s.sendall(STREAM_REQUEST)
+        got = b""
+        while len(got) < 100_000:
+            got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200 ") and b"data: xxx" in got
+    gone = time.monotonic()
+    assert router.closed.wait(10)
+    assert time.monotonic() - gone < 3
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped(gateway, stand_in, quiet_log):
+    """The client reads the head, then nothing: within ``write_timeout_s`` of the
+    stall the gateway drops it and closes the router's stream (the old gateway held
+    both, and a task, for good)."""
+    router = stand_in("stream")
+    g = gateway(router.port, write_timeout_s=1.0)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", g.port))
+        s.sendall(STREAM_REQUEST)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        assert router.closed.wait(15)
+        assert time.monotonic() - started < 8
+    assert g.gateway.counters.clients_dropped == 1
+
+
+def test_a_stream_the_router_stalls_is_cut_after_the_upstream_timeout(gateway, stand_in, quiet_log):
+    """The client sees its connection end without the last chunk (not a clean end of a
+    truncated answer), and the router's connection is closed."""
+    router = stand_in("stall")
+    g = gateway(router.port, upstream_timeout_s=0.5)
+    started = time.monotonic()
+    out = _raw(g.port, STREAM_REQUEST)
+    assert out.startswith(b"HTTP/1.1 200 ") and b"data: xxx" in out
+    assert not out.endswith(b"0\r\n\r\n") and time.monotonic() - started < 3
+    assert router.closed.wait(5)
+    assert g.gateway.counters.upstream_errors == 1
+
+
+def test_connections_past_the_cap_are_answered_503(upstream, gateway, quiet_log):
+    g = gateway(max_connections=2)
+    held = [socket.create_connection(("127.0.0.1", g.port), timeout=10) for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both accepted
+        out = _raw(g.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503 ") and b"too many connections" in out
+        assert upstream.seen == [] and g.gateway.counters.busy == 1
+    finally:
+        held.pop().close()
+    time.sleep(0.2)  # one slot free again
+    assert requests.get(g.url + "/v1/models", timeout=10).status_code == 200
+    held[0].close()
+
+
+def _closed_within(port: int, trickle: bytes, seconds: float) -> bool:
+    """Whether the gateway closes a connection that sends ``trickle`` a byte every
+    0.1 s (nothing for an empty one) within ``seconds``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.settimeout(0.1)
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            try:
+                if i < len(trickle):
+                    s.sendall(trickle[i : i + 1])
+                    i += 1
+                if s.recv(4096) == b"":
+                    return True
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                return True
+    return False
+
+
+def test_idle_and_slow_head_connections_are_closed(gateway, quiet_log):
+    g = gateway(idle_timeout_s=0.5)
+    assert _closed_within(g.port, b"", 3)
+    assert _closed_within(g.port, b"GET / HTTP/1.1\r\nX-Slow: " + b"a" * 100, 3)
+
+
+def test_a_slow_body_is_answered_408(upstream, gateway, quiet_log):
+    g = gateway(read_timeout_s=0.5)
+    with socket.create_connection(("127.0.0.1", g.port), timeout=10) as s:
+        s.sendall(_post(b"Content-Length: 100\r\n", b"{" * 10))
+        started = time.monotonic()
+        out = s.recv(4096)
+    assert out.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 3
+    assert upstream.seen == []
+
+
+def test_a_client_gone_while_its_request_is_read_is_let_go(upstream, gateway, quiet_log):
+    g = gateway()
+    cut = [
+        _post(b"Content-Length: 100\r\n", b"{" * 10),
+        _post(TE, b"5\r\n{"),
+        _post(b"Content-Length: 2\r\nExpect: 100-continue\r\n", b""),
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le",
+    ]
+    for wire in cut:
+        with socket.create_connection(("127.0.0.1", g.port), timeout=10) as s:
+            s.sendall(wire)
+            time.sleep(0.05)
+    time.sleep(0.2)
+    assert requests.get(g.url + "/v1/models", timeout=10).status_code == 200
+    assert len(upstream.seen) == 1
+
+
+def test_the_config_refuses_bounds_out_of_range():
+    GatewayConfig("127.0.0.1", 1)
+    for bad in (
+        {"router_port": 0},
+        {"max_connections": 0},
+        {"max_body_bytes": -1},
+        {"write_timeout_s": 0},
+        {"upstream_timeout_s": float("nan")},
+        {"max_headers": 1.5},
+    ):
+        with pytest.raises(ValueError):
+            GatewayConfig(**{"router_host": "127.0.0.1", "router_port": 1, **bad})
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ def _positive(kind: type):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    defaults = GatewayConfig("", 0)
+    defaults = GatewayConfig("127.0.0.1", 80)
     parser = argparse.ArgumentParser(
         prog="python -m sgl_mmkv.gateway",
         description="The image-affinity gateway in front of SGLang's router: sets "
@@ -54,6 +54,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.upstream_timeout_s,
         help="wait this long for the router's response head (504 after)",
     )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        default=defaults.max_connections,
+        help="client connections open at once; more are answered 503",
+    )
+    parser.add_argument(
+        "--write-timeout-s",
+        type=_positive(float),
+        default=defaults.write_timeout_s,
+        help="a client that takes no piece of a response for this long is dropped",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser.parse_args(argv)
 
@@ -66,8 +78,10 @@ async def _serve(gateway: Gateway, host: str, port: int, router_url: str) -> Non
         f"sgl_mmkv gateway: http://{host}:{bound} -> {router_url} (client routing keys {rule})",
         flush=True,
     )
-    async with server:
+    try:
         await server.serve_forever()
+    finally:
+        await gateway.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,16 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
     try:
         router_host, router_port = parse_router_url(args.router_url)
+        config = GatewayConfig(
+            router_host,
+            router_port,
+            max_body_bytes=args.max_body_bytes,
+            allow_client_routing_key=args.allow_client_routing_key,
+            upstream_timeout_s=args.upstream_timeout_s,
+            max_connections=args.max_connections,
+            write_timeout_s=args.write_timeout_s,
+        )
     except ValueError as e:
         print(f"sgl_mmkv.gateway: {e}", file=sys.stderr)
         return 2
-    config = GatewayConfig(
-        router_host,
-        router_port,
-        max_body_bytes=args.max_body_bytes,
-        allow_client_routing_key=args.allow_client_routing_key,
-        upstream_timeout_s=args.upstream_timeout_s,
-    )
     try:
         asyncio.run(_serve(Gateway(config), args.host, args.port, args.router_url))
     except OSError as e:
