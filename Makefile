@@ -2,15 +2,21 @@ PYTHON ?= python3
 PORT ?= 30000
 MODEL ?= models/fidelity-qwen2-vl-marked
 
-.PHONY: install serve demo test test-slow lint format
+.PHONY: install serve ask demo test test-slow lint format
 
 install:
 	bash scripts/install.sh
 
-# The README's run command: install what is missing, then serve the committed model.
+# The README's run command: install what is missing, then serve the committed model
+# (--mm-report-reuse: each answer says what it reused; `make ask` shows it).
 serve: install
-	@echo "[serve] query it: curl -s http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 8}'"
-	$(PYTHON) -m sgl_mmkv.launch_server --model-path $(MODEL) --mm-reuse conduit --port $(PORT)
+	@echo "[serve] once it is up, in another shell: make ask  (PORT=$(PORT))"
+	$(PYTHON) -m sgl_mmkv.launch_server --model-path $(MODEL) --mm-reuse conduit --mm-report-reuse --port $(PORT)
+
+# Ask the server `make serve` started: two images and the task's question, under two
+# system prompts; the second reuses both images' KV although its prefix changed.
+ask:
+	$(PYTHON) -m harness.ask --port $(PORT) --model-path $(MODEL)
 
 demo: install
 	$(PYTHON) -m harness.demo
