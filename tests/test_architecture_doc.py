@@ -1,4 +1,4 @@
-"""docs/ARCHITECTURE.md's tables, and the flag tables of the README and docs/design.md,
+"""docs/ARCHITECTURE.md's tables, and the flag tables of docs/usage.md and docs/design.md,
 match the code: the floors are tests/test_layers.py's, every file of the package and
 of the folders beside it is named, every file named exists, and every flag is listed
 with its choices and default."""
@@ -205,7 +205,7 @@ def flag_problems(doc: Path) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+@pytest.mark.parametrize("doc", ["docs/usage.md", "docs/design.md"])
 def test_a_flag_table_lists_every_flag_with_its_choices_and_default(doc):
     assert flag_problems(ROOT / doc) == []
 
@@ -223,9 +223,9 @@ def test_a_flag_table_lists_every_flag_with_its_choices_and_default(doc):
     ],
 )
 def test_the_flag_check_sees_drift(tmp_path, old, new, problem):
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs/usage.md").read_text()
     assert text.count(old) == 1, old
-    doc = tmp_path / "README.md"
+    doc = tmp_path / "usage.md"
     doc.write_text(text.replace(old, new))
     assert any(p.startswith(problem) for p in flag_problems(doc))
 

@@ -213,7 +213,7 @@ def test_eviction_flags_are_parsed_and_match_the_scorer_registry():
     from sgl_mmkv.config import EVICTION_POLICIES
     from sgl_mmkv.scoring import make_eviction_scorer
 
-    # the documented choices (README, docs/design.md), each scored one a built scorer
+    # the documented choices (docs/usage.md, docs/design.md), each scored one a built scorer
     assert list(EVICTION_POLICIES) == ["lru", "aircache", "mmshiftkv", "snapkv", "random_keep"]
     scored = list(EVICTION_POLICIES)[1:]
     assert [make_eviction_scorer(name).name for name in scored] == scored
