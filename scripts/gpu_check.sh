@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device run (at most 10 minutes on one H100 from a bare machine: the timeouts
-# below add up to 570 s at the default TRAIN_SECONDS=150): the kernel
+# below add up to 600 s at the default TRAIN_SECONDS=90): the kernel
 # tests on CUDA, kernel error + timings against the torch references (the refresh
-# attention's time ratio to a flash prefill among them), and a GPU training probe of
+# attention's time ratio to a flash prefill among them), the refresh path end to end
+# over the project's stand-ins on the device, and a GPU training probe of
 # the fidelity model. Results go to $OUT (or ./gpu-check). The device machine has
 # torch and triton but no sglang, so the repository root is put on PYTHONPATH by
 # hand (the package and training/) and tests that need sglang skip themselves.
@@ -13,7 +14,7 @@
 set -u
 OUT=${OUT:-gpu-check}
 DRY=${GPU_CHECK_DRY:-0}
-KERNEL_TESTS=${KERNEL_TESTS:-tests/test_gather_rotate.py tests/test_scattered_attention.py tests/test_refresh_attention.py}
+KERNEL_TESTS=${KERNEL_TESTS:-tests/test_gather_rotate.py tests/test_scattered_attention.py tests/test_refresh_attention.py tests/test_kernel_self_check.py}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "$DRY" = 1 ]; then
@@ -22,7 +23,7 @@ if [ "$DRY" = 1 ]; then
     BENCH_ARGS=--dry-run
     echo "dry run: CPU, TRITON_INTERPRET=1" >"$OUT/device.txt"
 else
-    TRAIN_SECONDS=${TRAIN_SECONDS:-150}
+    TRAIN_SECONDS=${TRAIN_SECONDS:-90}
     BENCH_ARGS=
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/device.txt" 2>&1
 fi
@@ -36,6 +37,13 @@ echo "pytest rc=$?" >>"$OUT/device.txt"
 timeout 150 python3 benchmarks/gpu_kernels.py $BENCH_ARGS --out-dir "$OUT" >"$OUT/gpu_kernels.log" 2>&1
 echo "gpu_kernels rc=$?" >>"$OUT/device.txt"
 grep "^refresh attention" "$OUT/gpu_kernels.log" >>"$OUT/device.txt"
+
+# The refresh path end to end over the stand-ins (plan, copy, selection, refresh
+# attention), each stage on the device against the CPU in float32.
+# shellcheck disable=SC2086
+timeout 90 python3 benchmarks/gpu_refresh_path.py $BENCH_ARGS --out-dir "$OUT" >"$OUT/gpu_refresh_path.log" 2>&1
+echo "gpu_refresh_path rc=$?" >>"$OUT/device.txt"
+grep "^refresh path" "$OUT/gpu_refresh_path.log" >>"$OUT/device.txt"
 
 # Training probe: a 40-step run measures the step rate, then one run sized to
 # TRAIN_SECONDS (OneCycle needs its step count up front). TRAIN_STYLE=marked

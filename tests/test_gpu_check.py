@@ -41,6 +41,12 @@ def test_gpu_check_runs_dry_on_the_cpu_without_sglang(tmp_path):
     assert "pytest rc=0" in device, (out / "pytest.log").read_text()
     assert "gpu_kernels rc=0" in device, (out / "gpu_kernels.log").read_text()
     assert "train skipped" in device
+    assert "gpu_refresh_path rc=0" in device, (out / "gpu_refresh_path.log").read_text()
+    path = json.loads((out / "gpu_refresh_path.json").read_text())
+    stages = path["stages"]["torch.float32"]
+    assert set(stages) == {"plan", "copy", "selection", "attention_triton", "attention_sdpa"}
+    assert all(stage["ok"] for stage in stages.values())
+    assert stages["selection"]["selected"] > 0
     log = (out / "pytest.log").read_text()
     assert " passed" in log and "1 skipped" in log  # the backend tests need sglang
 
