@@ -201,7 +201,13 @@ def test_the_embeddings_cap_reaches_the_segment_store():
 
     for gib, cap in ((1.0, 2**30), (0.25, 2**28), (0.0, 0)):
         config, _ = resolve_args(["--mm-reuse", "conduit", "--mm-embeddings-max-gib", str(gib)])
-        pool = SimpleNamespace(device=torch.device("cpu"))
+        buffer = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+        pool = SimpleNamespace(
+            device=torch.device("cpu"),
+            dtype=torch.bfloat16,
+            get_key_buffer=lambda layer, b=buffer: b,
+            get_value_buffer=lambda layer, b=buffer: b,
+        )
         allocator = SimpleNamespace(get_kvcache=lambda pool=pool: pool)
         cache = SimpleNamespace(
             page_size=1, token_to_kv_pool_allocator=allocator, publish_metrics=None, metrics=None

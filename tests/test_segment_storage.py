@@ -1047,9 +1047,12 @@ def test_a_stored_segment_s_kept_indices_must_increase_within_the_image(tmp_path
 def test_a_burst_of_hit_touches_never_takes_a_write_s_place():
     from sgl_mmkv.segments.deadline import WriteQueue
 
-    gate, done = __import__("threading").Event(), []
+    import threading
+
+    gate, running, done = threading.Event(), threading.Event(), []
     queue = WriteQueue(max_entries=2, max_bytes=1 << 20, max_light=8)
-    assert queue.put(gate.wait)  # a slow write holds the thread
+    assert queue.put(lambda: running.set() or gate.wait())  # a slow write holds the thread
+    assert running.wait(5.0)  # taken off the queue: the two write places are free
     touched = [queue.put_light(lambda i=i: done.append(("touch", i))) for i in range(20)]
     assert touched == [True] * 8 + [False] * 12  # the light lane has its own bound
     assert queue.put(lambda: done.append(("write", 0)))
