@@ -32,9 +32,11 @@ def assemble_runtime(
     """This process's runtime for ``config`` over the pools of ``cache`` (the
     ``MMKVRadixCache`` SGLang just built); ``identity`` is the served model's and
     ``embeds`` its vision encoder's output layout (the storage fingerprint's parts)."""
-    if cache.page_size != 1:
+    shrinking = config.compresses_at_decode or config.reuses_with_holes
+    if cache.page_size != 1 and shrinking:  # check_server_args refuses it first
         raise ConfigError(
-            f"--mm-reuse {config.mm_reuse} needs --page-size 1 (got {cache.page_size})"
+            f"--mm-reuse {config.mm_reuse} with rows that shrink after prefill needs "
+            f"--page-size 1 (got {cache.page_size})"
         )
     allocator = cache.token_to_kv_pool_allocator
     kv_pool = allocator.get_kvcache()

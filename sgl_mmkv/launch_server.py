@@ -108,12 +108,15 @@ def resolve_args(argv: list[str]) -> tuple[MMKVConfig, list[str]]:
             )
         if backend is None:
             sglang_argv += ["--radix-cache-backend", RADIX_CACHE_BACKEND_NAME]
-    if config.uses_refresh:
+    if config.compresses_at_decode or config.reuses_with_holes:
         page_size = _flag_value(sglang_argv, "--page-size")
         if page_size not in (None, "1"):
             raise ConfigError(
-                f"--mm-reuse {config.mm_reuse} copies image KV token by token and needs "
-                f"--page-size 1, got --page-size {page_size}"
+                f"--mm-reuse {config.mm_reuse} with rows that shrink after prefill "
+                "(--mm-compress-at decode, or --mm-compressed-reuse holes, the default with "
+                f"a scored --mm-evict) frees single slots and needs --page-size 1, got "
+                f"--page-size {page_size}; or set --mm-compressed-reuse recompute and "
+                "--mm-compress-at pressure or fill"
             )
     return config, sglang_argv
 

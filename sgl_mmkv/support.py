@@ -164,10 +164,14 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             "and fidelity is measured on generated answers only (use --mm-reuse exact or off)",
         ),
         (
-            args.page_size not in (None, 1),
+            args.page_size not in (None, 1) and shrinking,
             f"page size {args.page_size} (--page-size, or forced by the attention backend "
-            f"{_attention_backends(args)}): image KV is copied token by token; pass "
-            "--page-size 1 with a backend that allows it (torch_native, triton, flashinfer)",
+            f"{_attention_backends(args)}) with rows that shrink after prefill "
+            "(--mm-compress-at decode, or reuse with holes: --mm-compressed-reuse holes, the "
+            "default with a scored --mm-evict): a shrunk row frees single slots, SGLang's "
+            "paged allocator whole pages; set --mm-compressed-reuse recompute and "
+            "--mm-compress-at pressure or fill, or pass --page-size 1 with a backend that "
+            "allows it (torch_native, triton, flashinfer)",
         ),
         *_tier_refusals(args),
     ]

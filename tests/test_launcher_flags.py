@@ -17,6 +17,16 @@ def test_off_passes_stock_flags_through_unchanged():
     assert argv == ["--model-path", "m", "--port", "1234", "--page-size", "16"]
 
 
+def test_refresh_modes_pass_a_page_size_above_one_through():
+    for extra in (
+        [],
+        ["--mm-evict", "snapkv", "--mm-compressed-reuse", "recompute"],
+        ["--mm-evict", "snapkv", "--mm-compressed-reuse", "recompute", "--mm-compress-at", "fill"],
+    ):
+        config, argv = resolve_args(["--mm-reuse", "conduit", *extra, "--page-size", "16"])
+        assert config.uses_refresh and argv[argv.index("--page-size") + 1] == "16"
+
+
 def test_exact_selects_our_radix_cache_backend():
     config, argv = resolve_args(["--model-path", "m", "--mm-reuse", "exact"])
     assert config.mm_reuse == "exact"
@@ -84,7 +94,6 @@ def test_scorer_args_reach_the_scorer_and_are_off_by_default():
             ],
             "auto_fraction must be in",
         ),  # fmt: skip
-        (["--mm-reuse", "conduit", "--page-size", "16"], "needs --page-size 1"),
         (
             ["--mm-reuse", "exact", "--radix-cache-backend", "flexkv"],
             "cannot be combined with --radix-cache-backend flexkv",
@@ -108,8 +117,23 @@ def test_scorer_args_reach_the_scorer_and_are_off_by_default():
         ),
         (
             ["--mm-reuse", "conduit", "--mm-evict", "aircache", "--page-size", "4"],
-            "needs --page-size 1",
+            "with rows that shrink after prefill .* needs --page-size 1, got --page-size 4",
         ),
+        (
+            [
+                "--mm-reuse",
+                "conduit",
+                "--mm-evict",
+                "snapkv",
+                "--mm-compress-at",
+                "decode",
+                "--mm-compressed-reuse",
+                "recompute",
+                "--page-size",
+                "16",
+            ],
+            "needs --page-size 1, got --page-size 16; or set --mm-compressed-reuse recompute",
+        ),  # fmt: skip
         (["--mm-reuse", "conduit", "--mm-reuse-gate", "never"], "--mm-reuse-gate 'never'"),
         (["--mm-reuse", "exact", "--mm-reuse-gate", "always"], "needs a refresh mode"),
         (

@@ -224,7 +224,12 @@ def test_the_launcher_process_exits_2_with_the_same_line(launches, name):
 # launcher's checks never run, the cache factory in the scheduler refuses.
 # (case, sgl_mmkv config, stock flags, the reason the scheduler gives)
 SCHEDULER_CASES = [
-    ("page size", {"mm_reuse": "conduit"}, ["--page-size", "16"], "--page-size 16"),
+    (
+        "page size with reuse holes",
+        {"mm_reuse": "conduit", "mm_evict": "snapkv"},
+        ["--page-size", "16"],
+        "page size 16 (--page-size, or forced by the attention backend torch_native) with rows",
+    ),
     (
         "sliding window by --json-model-override-args",
         {"mm_reuse": "conduit"},
@@ -536,11 +541,28 @@ class _Overridden:
 
 
 def test_a_page_size_an_attention_backend_forced_names_the_backend(own_environment, tiny_vlm):
+    """Refresh modes serve any page size; only rows that shrink after prefill (reuse
+    holes, decode-time compression) need page size 1, and the refusal names the
+    backend that forced the page size."""
     args, hf_config = _effective(tiny_vlm)
     forced = _Overridden(args, page_size=64, attention_backend="trtllm_mha")
-    with pytest.raises(ConfigError) as refusal:
-        check_effective(MMKVConfig(mm_reuse="conduit"), forced, hf_config)
-    line = str(refusal.value)
-    assert "page size 64 (--page-size, or forced by the attention backend" in line
-    assert "trtllm_mha" in line and "pass --page-size 1" in line and "\n" not in line
+    check_effective(MMKVConfig(mm_reuse="conduit"), forced, hf_config)
+    recompute = MMKVConfig(mm_reuse="conduit", mm_evict="snapkv", mm_compressed_reuse="recompute")
+    check_effective(recompute, forced, hf_config)
     check_effective(MMKVConfig(mm_reuse="exact"), forced, hf_config)
+    shrinking = [
+        MMKVConfig(mm_reuse="conduit", mm_evict="snapkv"),  # reuse holes, the default
+        MMKVConfig(
+            mm_reuse="conduit",
+            mm_evict="snapkv",
+            mm_compress_at="decode",
+            mm_compressed_reuse="recompute",
+        ),
+    ]
+    for config in shrinking:
+        with pytest.raises(ConfigError) as refusal:
+            check_effective(config, forced, hf_config)
+        line = str(refusal.value)
+        assert "page size 64 (--page-size, or forced by the attention backend" in line
+        assert "trtllm_mha" in line and "rows that shrink after prefill" in line
+        assert "--mm-compressed-reuse recompute" in line and "\n" not in line

@@ -13,6 +13,14 @@ eviction scorer (``--mm-evict``) segments are first *compressed*
 (:meth:`SegmentStore.compress_lru`): each keeps its top ``--mm-kv-budget`` tokens
 by the ranking computed when it was filled, and frees the rest.
 
+With SGLang's paged allocator (``--page-size`` above 1: ``alloc(n)`` hands out
+whole pages and ``free`` releases every page an index touches) a segment owns
+whole pages: ``ceil(n / page) * page`` slots, its tokens in the first ``n``. The
+store counts the slots it holds (what SGLang's ledger sees), frees whole pages
+only, and a compressed segment moves its kept tokens' KV down into its first
+pages and frees the pages behind them (keeping the top tokens that fill its last
+kept page).
+
 With an L3 tier (:mod:`sgl_mmkv.segments.storage`, ``--mm-segment-storage``) every
 new segment is queued to be written through to SGLang's storage backend (the
 forward never waits for a write), and a lookup that misses in memory loads the
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_mmkv.counters import Counters
-from sgl_mmkv.scoring.base import top_tokens
+from sgl_mmkv.scoring.base import budget_count, top_tokens
 from sgl_mmkv.segments.key import SegmentKey
 from sgl_mmkv.segments.poison import poison_slots
 from sgl_mmkv.segments.storage import KVFingerprint, SegmentStorage, StoredSegment
@@ -64,6 +72,9 @@ class Segment:
             not write the entry again.
         embeddings: ``(n_e, W)`` the vision encoder's output for the image, on the CPU
             (the rows of its placeholder tokens; DeepStack features included), or None.
+        pages: with a paged allocator, ``(k * page,)`` int64 slots of the whole pages
+            the segment owns (``slots`` is their first ``m``); None at page size 1,
+            where the segment owns ``slots`` alone.
     """
 
     key: SegmentKey
@@ -76,11 +87,17 @@ class Segment:
     persisted: bool = False
     embeddings: torch.Tensor | None = None
     stored_embeddings: bool = False
+    pages: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Slots held."""
-        return int(self.slots.numel())
+        """Slots held (whole pages with a paged allocator)."""
+        return int(self.owned_slots.numel())
+
+    @property
+    def owned_slots(self) -> torch.Tensor:
+        """Every slot the segment owns: its pages, or at page size 1 its ``slots``."""
+        return self.slots if self.pages is None else self.pages
 
     @property
     def image_tokens(self) -> int:
@@ -140,7 +157,7 @@ class SegmentStore:
 
     Args:
         allocator: SGLang's token-to-KV allocator (``alloc(n)``, ``free(idx)``,
-            ``available_size()``).
+            ``available_size()``, ``page_size``: 1 when it has none).
         kv_pool: SGLang's KV pool (``get_key_buffer(l)``, ``get_value_buffer(l)``,
             ``layer_num``).
         compress_budget: ``--mm-kv-budget`` when segments are ranked for scored
@@ -158,6 +175,7 @@ class SegmentStore:
         embeddings_max_bytes: int = EMBEDDINGS_MAX_BYTES,
     ) -> None:
         self.allocator = allocator
+        self.page_size = int(getattr(allocator, "page_size", 1) or 1)
         self.kv_pool = kv_pool
         self.compress_budget = compress_budget
         self.storage = storage
@@ -377,28 +395,38 @@ class SegmentStore:
         ranking: torch.Tensor | None = None,
     ) -> Segment | None:
         """A new segment of ``n`` fresh slots whose KV the caller writes (canonical fill).
+        With a paged allocator it owns ``ceil(n / page)`` whole pages, ``n`` slots used.
 
         Returns None if ``key`` is present or the pool has no ``n`` free slots.
         """
         if key in self._segments:
             return None
-        if n > 0:
-            self._make_room(n)
-        if n == 0 or self.allocator.available_size() < n:
+        size = self.paged_size(n)
+        if size > 0:
+            self._make_room(size)
+        if size == 0 or self.allocator.available_size() < size:
             self.counters.fill_skipped += 1
             return None
-        slots = self.allocator.alloc(n)
-        if slots is None:
+        slots = self.allocator.alloc(size)
+        if slots is None or int(slots.numel()) != size:
+            if slots is not None and slots.numel():
+                self.allocator.free(slots)
             self.counters.fill_skipped += 1
             return None
         if ranking is not None:
             ranking = ranking.to("cpu", torch.float32).clone()
             self.counters.ranked_fills += 1
         segment = Segment(key, slots, positions.to("cpu", torch.long).clone(), ranking=ranking)
+        if self.page_size > 1:
+            segment.pages, segment.slots = slots, slots[:n]
         self._segments[key] = segment
-        self._num_tokens += n
+        self._num_tokens += size
         self.counters.fills += 1
         return segment
+
+    def paged_size(self, n: int) -> int:
+        """Slots a segment of ``n`` tokens holds: ``n`` rounded up to whole pages."""
+        return -(-n // self.page_size) * self.page_size
 
     def _make_room(self, n: int) -> None:
         """Free store slots for a new segment of ``n`` tokens: compress (scored
@@ -436,9 +464,12 @@ class SegmentStore:
     def compress(self, segment: Segment, budget: float) -> int:
         """Keep the top ``ceil(budget * n)`` tokens of ``segment`` by its ranking and
         free the other slots. Returns the slots freed (0 for a segment already
-        compressed or without a ranking)."""
+        compressed or without a ranking). With a paged allocator see
+        :meth:`_compress_pages`."""
         if segment.compressed or segment.ranking is None or not segment.alive or segment.pinned:
             return 0
+        if self.page_size > 1:
+            return self._compress_pages(segment, budget)
         n = segment.image_tokens
         keep = top_tokens(segment.ranking, budget)
         if keep.numel() >= n:
@@ -454,6 +485,32 @@ class SegmentStore:
         self._num_tokens -= freed
         self.counters.compressions += 1
         self.counters.compressed_tokens += freed
+        return freed
+
+    def _compress_pages(self, segment: Segment, budget: float) -> int:
+        """Paged :meth:`compress`: the top ``ceil(budget * n)`` tokens need ``k`` pages;
+        the segment keeps its top ``min(n, k * page)`` tokens (the last kept page is
+        filled), their KV moved down into its first ``k`` pages in token order, and
+        frees its other pages whole. Nothing changes when no page would be freed."""
+        n, pages = segment.image_tokens, segment.pages
+        count = self.paged_size(budget_count(budget, n))
+        if count >= int(pages.numel()):  # then also count < n: a page is freed
+            return 0
+        keep = torch.topk(segment.ranking, count, sorted=False).indices.sort().values
+        src = segment.slots[keep.to(segment.slots.device)]
+        dst = pages[: keep.numel()]
+        pool = self.kv_pool
+        for layer in range(pool.layer_num):
+            for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+                buffer[dst] = buffer[src]  # gathered before written: src and dst may overlap
+        freed_slots = pages[count:]
+        poison_slots(self.kv_pool, freed_slots)
+        self.allocator.free(freed_slots)
+        segment.pages, segment.slots, segment.kept = pages[:count], dst, keep
+        freed = int(freed_slots.numel())
+        self._num_tokens -= freed
+        self.counters.compressions += 1
+        self.counters.compressed_tokens += n - int(keep.numel())
         return freed
 
     def compress_lru(self, num_tokens: int, budget: float) -> int:
@@ -496,8 +553,8 @@ class SegmentStore:
         if segment.embeddings is not None:
             self._drop_embeddings(segment)
         if free_slots:
-            poison_slots(self.kv_pool, segment.slots)
-            self.allocator.free(segment.slots)
+            poison_slots(self.kv_pool, segment.owned_slots)
+            self.allocator.free(segment.owned_slots)
         self._num_tokens -= segment.num_tokens
         return segment.num_tokens
 
