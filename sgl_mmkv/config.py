@@ -26,7 +26,7 @@ CONFIG_ENV = "MMKV_SGLANG_CONFIG"
 
 # Every --mm-reuse choice: the two cache modes, then one per refresh scorer.
 REUSE_MODES: dict[str, str] = {
-    "off": "stock SGLang: no sgl_mmkv code in the scheduler",
+    "off": "stock SGLang: no sgl_mmkv code in the scheduler but a CPU-only fix for --tp-size > 1",
     "exact": "sgl_mmkv's radix cache, exact-prefix reuse only (same hits as stock)",
     **{name: cls.summary or name for name, cls in REFRESH_SCORERS.items()},
 }

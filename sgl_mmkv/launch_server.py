@@ -6,7 +6,10 @@ made from :class:`~sgl_mmkv.config.MMKVConfig`'s fields (:func:`build_parser`):
 (checked against the config by ``tests/test_architecture_doc.py``) explains them.
 
 On a machine without CUDA the launcher adds ``--device cpu --attention-backend
-torch_native`` unless given, and the environment SGLang needs on the CPU.
+torch_native`` unless given, and the environment SGLang needs on the CPU; with more
+than one CPU rank (``--tp-size 2``) it splits the cores between them
+(``SGLANG_CPU_OMP_THREADS_BIND``) unless the user did, and the plugin's CPU hook
+runs the ranks' all-reduces over gloo.
 A bad sgl_mmkv flag, or a setting or model the mode does not support
 (``sgl_mmkv.support``, read from SGLang's resolved configuration), exits with
 status 2 and a one-line reason before anything starts. The scheduler runs the
@@ -132,6 +135,59 @@ def apply_device_defaults(sglang_argv: list[str], cuda: bool) -> list[str]:
     return argv
 
 
+OMP_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def _cpu_list(cores: list[int]) -> str:
+    """``cores`` as SGLang's CPU lists write them: ``0-3`` when contiguous, else ``0,2``."""
+    if cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 1:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def cpu_thread_binding(ranks: int, cores: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU ranks over ``cores``: the cores
+    split into ``ranks`` contiguous groups (``0|1`` for 2 ranks on 2 cores), or one
+    core each, shared round robin, when there are fewer cores than ranks."""
+    cores = sorted(cores)
+    if len(cores) < ranks:
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+    share, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for rank in range(ranks):
+        end = start + share + (rank < extra)
+        groups.append(_cpu_list(cores[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+def cpu_ranks(server_args) -> int:
+    """The ranks SGLang binds to CPU cores (dp x tp x pp); 0 off the CPU."""
+    if server_args.device != "cpu":
+        return 0
+    return server_args.dp_size * server_args.tp_size * server_args.pp_size
+
+
+def bind_cpu_ranks(server_args) -> str | None:
+    """On the CPU with more than one rank, set ``SGLANG_CPU_OMP_THREADS_BIND`` unless
+    the user did: without it SGLang 0.5.23 asserts that its ranks (dp x tp x pp) are
+    no more than the machine's NUMA nodes. Returns the line logged, or None."""
+    ranks = cpu_ranks(server_args)
+    if ranks <= 1 or os.environ.get(OMP_BIND_ENV):
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = cores or list(range(os.cpu_count() or 1))
+    binding = cpu_thread_binding(ranks, cores)
+    os.environ[OMP_BIND_ENV] = binding
+    shared = " (fewer cores than ranks: ranks share cores)" if len(cores) < ranks else ""
+    return (
+        f"sgl_mmkv: {OMP_BIND_ENV}={binding}: {ranks} CPU ranks (tp {server_args.tp_size}, "
+        f"pp {server_args.pp_size}, dp {server_args.dp_size}) over cores "
+        f"{_cpu_list(cores)}{shared}; SGLang otherwise asserts ranks <= NUMA nodes "
+        f"(set {OMP_BIND_ENV} to choose)"
+    )
+
+
 def check_segment_storage(config: MMKVConfig) -> None:
     """Open the ``--mm-segment-storage`` backend once before the server starts, so a
     backend that cannot be created or does not keep tensors exits with one line.
@@ -178,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    binding = bind_cpu_ranks(server_args)
+    if binding:
+        print(binding, file=sys.stderr, flush=True)
     try:
-        if config.uses_mmkv_cache:
+        # Several CPU ranks need the CPU tensor-parallel hook, whatever the mode.
+        if config.uses_mmkv_cache or cpu_ranks(server_args) > 1:
             verify_hooks()
             check_server_args(config, server_args)  # what was asked, before SGLang resolves
             check_startup(config, *effective_settings(server_args))

@@ -41,6 +41,8 @@ def _patches_for(config) -> list:
     modules = []
     if config is None:
         return modules
+    # Every mode a launcher starts, off included: tensor parallelism on the CPU.
+    modules.append(patches.model_parallel_group_cpu)
     if config.mm_report_reuse:
         modules.append(patches.scheduler_internal_state)
     if config.uses_refresh:

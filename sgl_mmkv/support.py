@@ -118,20 +118,26 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
     refusals = [
         (
             args.tp_size > 1,
-            f"--tp-size {args.tp_size}: each tensor-parallel rank would score "
-            "with its own KV heads and pick other tokens (scores must be all-reduced first)",
+            f"--tp-size {args.tp_size}: each tensor-parallel rank scores with its own KV "
+            "heads and picks other tokens, so the refresh pass would all-reduce partial "
+            "results of different tokens (scorer statistics must be all-reduced first; "
+            "--mm-reuse exact and off run at TP > 1)",
         ),
         (
             args.enable_dp_attention,
-            "--enable-dp-attention: ranks would run different numbers of passes and deadlock",
+            "--enable-dp-attention: attention-DP ranks share the MLP's collectives, so ranks "
+            "running different numbers of refresh passes would deadlock in them",
         ),
         (
             args.dp_size > 1,
-            f"--dp-size {args.dp_size}: data-parallel ranks would run different numbers of passes",
+            f"--dp-size {args.dp_size}: each data-parallel rank keeps its own segment store and "
+            "SGLang's DP controller spreads requests without looking at images; run one instance "
+            "per rank behind SGLang's router and sgl_mmkv's gateway (docs/deployment.md)",
         ),
         (
             args.pp_size > 1,
-            f"--pp-size {args.pp_size}: refresh passes run the whole model on one rank",
+            f"--pp-size {args.pp_size}: a refresh pass runs every layer in one process, a "
+            "pipeline stage holds only its own layers",
         ),
         (
             args.disaggregation_mode not in (None, "null"),

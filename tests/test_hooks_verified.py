@@ -13,6 +13,8 @@ from sgl_mmkv.config import MMKVConfig
 
 
 def test_each_mode_registers_its_patches():
+    from sgl_mmkv import patches
+
     targets = {
         name: [t for m in plugin._patches_for(MMKVConfig(**kw)) for t in plugin.targets_of(m)]
         for name, kw in {
@@ -22,8 +24,11 @@ def test_each_mode_registers_its_patches():
             "report": {"mm_reuse": "conduit", "mm_report_reuse": True},
         }.items()
     }
-    assert targets["off"] == [] and targets["exact"] == []
-    assert len(targets["conduit"]) == 9 and len(targets["report"]) == 10
+    # Every mode a launcher starts has the CPU tensor-parallel hook (inert on a GPU).
+    cpu_tp = plugin.targets_of(patches.model_parallel_group_cpu)
+    assert targets["off"] == cpu_tp and targets["exact"] == cpu_tp
+    assert len(targets["conduit"]) == 10 and len(targets["report"]) == 11
+    assert plugin._patches_for(None) == []  # a stock launch: nothing
     weight_updates = [t for t in targets["conduit"] if ".update_weights_from_" in t]
     assert len(weight_updates) == 4  # disk, tensor, distributed, IPC
 
@@ -59,3 +64,38 @@ def test_a_hook_sglang_did_not_apply_stops_the_start(monkeypatch, tmp_path):
         HookRegistry._hooks.pop(applied, None)
         HookRegistry._hooks.pop(missing, None)
         sys.modules.pop("hook_target_module", None)
+
+
+def _bind(*args, **kwargs) -> dict:
+    import inspect
+
+    from sglang.srt.distributed import parallel_state
+
+    target = inspect.unwrap(parallel_state.init_model_parallel_group)
+    return inspect.signature(target).bind(*args, **kwargs).arguments
+
+
+@pytest.mark.parametrize(
+    ("device", "group_ranks", "use_pynccl", "acts"),
+    [
+        ("cpu", [[0, 1]], None, True),
+        ("cpu", [[0, 1]], True, True),  # pynccl cannot run on the CPU whoever asks
+        ("cpu", [[0, 1]], False, False),
+        ("cpu", [[0], [1]], None, False),  # groups of one rank build no communicator
+        ("cuda", [[0, 1]], None, False),
+    ],
+)
+def test_cpu_groups_of_several_ranks_skip_pynccl(
+    monkeypatch, device, group_ranks, use_pynccl, acts
+):
+    from sgl_mmkv.patches import model_parallel_group_cpu as hook
+
+    monkeypatch.setattr(hook, "_group_device_type", lambda local_rank: device)
+    kwargs = {"group_name": "tp"} if use_pynccl is None else {"use_pynccl": use_pynccl}
+    result = hook.gloo_on_cpu(group_ranks, 0, "gloo", **kwargs)
+    if not acts:
+        assert result is None
+        return
+    arguments = _bind(*result[0], **result[1])
+    assert arguments["use_pynccl"] is False
+    assert arguments["group_ranks"] == group_ranks and arguments["backend"] == "gloo"

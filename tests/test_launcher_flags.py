@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from sgl_mmkv.config import CONFIG_ENV, ConfigError, MMKVConfig, active_config, export_config
-from sgl_mmkv.launch_server import apply_device_defaults, resolve_args
+from sgl_mmkv.launch_server import (
+    OMP_BIND_ENV,
+    apply_device_defaults,
+    bind_cpu_ranks,
+    cpu_thread_binding,
+    resolve_args,
+)
 
 
 def test_off_passes_stock_flags_through_unchanged():
@@ -395,3 +402,28 @@ def test_cli_refuses_a_storage_backend_that_cannot_keep_segments(
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cpu_ranks_split_the_cores():
+    assert cpu_thread_binding(2, [1, 0]) == "0|1"
+    assert cpu_thread_binding(2, list(range(8))) == "0-3|4-7"
+    assert cpu_thread_binding(3, list(range(8))) == "0-2|3-5|6-7"
+    assert cpu_thread_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
+    assert cpu_thread_binding(4, [0, 1]) == "0|1|0|1"  # fewer cores than ranks: shared
+
+
+def test_cpu_binding_is_set_only_for_several_cpu_ranks_the_user_left_unbound(monkeypatch):
+    from types import SimpleNamespace
+
+    def args(device="cpu", tp=2, pp=1, dp=1):
+        return SimpleNamespace(device=device, tp_size=tp, pp_size=pp, dp_size=dp)
+
+    monkeypatch.delenv(OMP_BIND_ENV, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert bind_cpu_ranks(args(tp=1)) is None and OMP_BIND_ENV not in os.environ
+    assert bind_cpu_ranks(args(device="cuda")) is None and OMP_BIND_ENV not in os.environ
+    line = bind_cpu_ranks(args())
+    assert os.environ[OMP_BIND_ENV] == "0|1"
+    assert "2 CPU ranks" in line and "NUMA" in line
+    monkeypatch.setenv(OMP_BIND_ENV, "1|0")
+    assert bind_cpu_ranks(args()) is None and os.environ[OMP_BIND_ENV] == "1|0"
