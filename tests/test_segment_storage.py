@@ -1045,9 +1045,9 @@ def test_a_stored_segment_s_kept_indices_must_increase_within_the_image(tmp_path
 
 
 def test_a_burst_of_hit_touches_never_takes_a_write_s_place():
-    from sgl_mmkv.segments.deadline import WriteQueue
-
     import threading
+
+    from sgl_mmkv.segments.deadline import WriteQueue
 
     gate, running, done = threading.Event(), threading.Event(), []
     queue = WriteQueue(max_entries=2, max_bytes=1 << 20, max_light=8)
