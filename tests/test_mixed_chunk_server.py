@@ -67,11 +67,11 @@ def _scenario(server) -> dict:
     out: dict = {}
 
     def decode():
-        out["decode"] = _chat(server, [{"role": "user", "content": LONG}], 400)
+        out["decode"] = _chat(server, [{"role": "user", "content": LONG}], 200)
 
     thread = threading.Thread(target=decode)
     thread.start()
-    time.sleep(0.5)  # the long request is decoding by now (400 tokens take seconds)
+    time.sleep(0.3)  # the long request is decoding by now (200 tokens take seconds)
     out["reuse"] = _chat(server, _image_turn("A new system prompt while another decodes."), 4)
     thread.join(timeout=300)
     return out
