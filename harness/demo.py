@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=5, help=f"new system prompts (at most {len(NEW_SYSTEMS)})"
     )
     parser.add_argument(
-        "--speed-queries", type=int, default=3, help="doc-QA questions per side (0: no part 2)"
+        "--speed-queries", type=int, default=2, help="doc-QA questions per side (0: no part 2)"
     )
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/demo"))
     args = parser.parse_args(argv)
