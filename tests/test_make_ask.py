@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from harness import ask
-from sgl_mmkv.testing.server import ServerProcess
+from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,10 @@ def _serve_flags() -> tuple[str, list[str]]:
 
 def test_make_ask_shows_a_right_answer_and_a_reuse(tmp_path, capsys):
     model, flags = _serve_flags()
-    with ServerProcess("sgl_mmkv.launch_server", ROOT / model, flags, tmp_path / "s.log") as s:
+    # The test's CPU memory bounds too: at SGLang's defaults the pool takes most of
+    # the machine's memory, which another worker's server then runs out of.
+    args = [*CPU_SERVER_ARGS, *flags]
+    with ServerProcess("sgl_mmkv.launch_server", ROOT / model, args, tmp_path / "s.log") as s:
         port = s.base_url.rsplit(":", 1)[1]
         assert ask.main(["--port", port, "--model-path", str(ROOT / model)]) == 0
     out = capsys.readouterr().out
