@@ -151,7 +151,7 @@ def constant_delta(new: torch.Tensor, old: torch.Tensor) -> int | None:
     return first if bool((diff == first).all()) else None
 
 
-def _request_items(store: SegmentStore, mm_inputs, prefix_len: int, extend_len: int):
+def _request_items(mm_inputs, prefix_len: int, extend_len: int):
     """``(visual, images, items)`` of one request: its visual extend mask, the images
     whole in its extend, and ``(key, start, end, lo, hi)`` per image it may reuse or
     fill (none if its inputs were never tagged)."""
@@ -181,14 +181,18 @@ def plan_request(
     prefix_len: int,
     extend_len: int,
     found: dict | None = None,
+    request_items: tuple | None = None,
 ) -> RequestPlan:
     """The reuse plan of one request of an extend batch: its images are looked up and
     filled in the request's own namespace only (none if its inputs were never tagged).
     ``found``: the segments of its keys already looked up (:func:`plan_batch` looks up
     a whole batch at once); without it, the images in its extend are looked up
-    together (``SegmentStore.lookup_many``)."""
+    together (``SegmentStore.lookup_many``). ``request_items``: its
+    :func:`_request_items`, when the caller already made them."""
     seq_len = prefix_len + extend_len
-    visual, images, items = _request_items(store, mm_inputs, prefix_len, extend_len)
+    if request_items is None:
+        request_items = _request_items(mm_inputs, prefix_len, extend_len)
+    visual, images, items = request_items
     if found is None:
         in_extend = [key for key, _, _, lo, hi in items if lo < hi]
         found = dict(zip(in_extend, store.lookup_many(in_extend), strict=True))
@@ -216,13 +220,11 @@ def plan_batch(store: SegmentStore, forward_batch) -> list[RequestPlan]:
     prefix = forward_batch.extend_prefix_lens_cpu
     extend = forward_batch.extend_seq_lens_cpu
     # Every request's images in one lookup: one storage deadline for the forward.
-    keys = []
-    for i, mm in enumerate(mm_list):
-        _, _, items = _request_items(store, mm, int(prefix[i]), int(extend[i]))
-        keys += [key for key, _, _, lo, hi in items if lo < hi]
+    made = [_request_items(mm, int(prefix[i]), int(extend[i])) for i, mm in enumerate(mm_list)]
+    keys = [key for _, _, items in made for key, _, _, lo, hi in items if lo < hi]
     found = dict(zip(keys, store.lookup_many(keys), strict=True)) if keys else {}
     plans = [
-        plan_request(store, i, mm, int(prefix[i]), int(extend[i]), found)
+        plan_request(store, i, mm, int(prefix[i]), int(extend[i]), found, made[i])
         for i, mm in enumerate(mm_list)
     ]
     # A later request's lookup may load a segment from L3 storage and evict one an
