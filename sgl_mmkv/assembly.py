@@ -15,6 +15,7 @@ from typing import Any
 from sgl_mmkv.config import ConfigError, MMKVConfig
 from sgl_mmkv.refresh.embedding_pass import EmbeddingSlot
 from sgl_mmkv.refresh.executor import RefreshExecutor
+from sgl_mmkv.refresh.rank_agreement import tp_position
 from sgl_mmkv.refresh.ranker import VisualRanker, extend_image_spans, fill_spans
 from sgl_mmkv.refresh.row_compaction import RowCompactor
 from sgl_mmkv.refresh.runtime import MMKVRuntime
@@ -114,7 +115,7 @@ def _storage(config: MMKVConfig, kv_pool, identity: str, embeds: tuple[int, str]
 
     storage = open_storage(
         config.mm_segment_storage,
-        KVFingerprint.of_pool(kv_pool, identity, config.mm_segment_fill, embeds),
+        KVFingerprint.of_pool(kv_pool, identity, config.mm_segment_fill, embeds, tp_position()),
         config.mm_segment_storage_dir or None,
         config.storage_extra_config(),
         StorageLimits.of_config(config),

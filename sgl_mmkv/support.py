@@ -117,11 +117,15 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
     shrinking = config.compresses_at_decode or config.reuses_with_holes
     refusals = [
         (
-            args.tp_size > 1,
-            f"--tp-size {args.tp_size}: each tensor-parallel rank scores with its own KV "
-            "heads and picks other tokens, so the refresh pass would all-reduce partial "
-            "results of different tokens (scorer statistics must be all-reduced first; "
-            "--mm-reuse exact and off run at TP > 1)",
+            args.tp_size > 1 and config.uses_scored_eviction,
+            f"--tp-size {args.tp_size} with --mm-evict {config.mm_evict}: eviction rankings "
+            "are each rank's own (not yet agreed across ranks), so ranks would keep other "
+            "tokens of a segment",
+        ),
+        (
+            args.tp_size > 1 and config.mm_segment_fill == "canonical",
+            f"--tp-size {args.tp_size} with --mm-segment-fill canonical: its fill pass "
+            "depends on each rank's own store (not yet agreed across ranks)",
         ),
         (
             args.enable_dp_attention,
@@ -279,10 +283,23 @@ def check_effective(config: MMKVConfig, args: Any, hf_config: dict) -> None:
             "KV scales yet; pass --kv-cache-dtype bf16"
         )
     check_model(mode, hf_config, config.compresses_at_decode)
+    check_tp_heads(mode, args.tp_size, hf_config)
     if config.scored_layers is not None:
         check_scored_layers(config.scored_layers, hf_config)
     if config.uses_segment_storage:
         check_storage_backend(config.mm_segment_storage)
+
+
+def check_tp_heads(mode: str, tp_size: int, hf_config: dict) -> None:
+    """Refuse a TP size that does not divide the model's KV heads: each rank must hold
+    whole heads of its own for its statistics to average into the model's."""
+    text = hf_config.get("text_config") or hf_config
+    heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
+    if tp_size > 1 and heads and heads % tp_size:
+        raise ConfigError(
+            f"{mode} cannot run with --tp-size {tp_size}: the model's {heads} KV heads "
+            "do not divide into whole heads per rank"
+        )
 
 
 def checkpoint_kv_quantization(hf_config: dict) -> str | None:

@@ -32,7 +32,12 @@ GRAPHS = ["--attention-backend", "intel_amx"]
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
 # (case, extra flags, what the one-line reason must name)
 FLAG_CASES = [
-    ("tensor parallel", ["--tp-size", "2"], "--tp-size 2"),
+    ("tensor parallel, KV heads", ["--tp-size", "3"], "--tp-size 3: the model's 2 KV heads"),
+    (
+        "tensor parallel + scored eviction",
+        ["--tp-size", "2", "--mm-evict", "snapkv"],
+        "--tp-size 2 with --mm-evict snapkv",
+    ),
     ("data parallel", ["--dp-size", "2"], "--dp-size 2"),
     ("dp attention", ["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
     ("pipeline parallel", ["--pp-size", "2"], "--pp-size 2"),
@@ -159,7 +164,7 @@ def longrope_llava(tiny_llava, tmp_path_factory):
 
 
 # Refused in a launcher process of their own as well as in the shared probe.
-IN_OWN_PROCESS = ["tensor parallel", "longrope model"]
+IN_OWN_PROCESS = ["tensor parallel, KV heads", "longrope model"]
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,26 @@ cache), greedy, 4 tokens, top-5 logprobs.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import openai
 import pytest
+import requests
 
 from sgl_mmkv.launch_server import OMP_BIND_ENV
 from sgl_mmkv.patches.model_parallel_group_cpu import ACTING_LOG_PREFIX
 from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
+from sgl_mmkv.refresh.faults import FAULT_FILE_ENV, STAGES
 from sgl_mmkv.testing.images import make_image, user_message
-from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, stock_cpu_env
+from sgl_mmkv.testing.server import (
+    CPU_SERVER_ARGS,
+    ServerProcess,
+    flush_cache,
+    mmkv_stats,
+    stock_cpu_env,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 A, B = make_image(41), make_image(42)
@@ -142,3 +151,225 @@ def test_every_rank_ran_this_checkouts_hook(runs, mode):
         assert f"file={REPO}/sgl_mmkv/radix_cache.py" in log
     else:
         assert ACTIVE_LOG_PREFIX not in log
+
+
+# --- refresh modes at TP 2 -------------------------------------------------------
+#
+# Each rank scores over its own KV heads and keeps its own segment store; the ranks
+# agree on plans, failures and statistics (``refresh/rank_agreement.py``). At budget
+# 1.0 every reused token is refreshed, so a reused request must answer as ``off``
+# does at TP 2 (stock SGLang's cache). The ``off`` server answers every probe first
+# and stops; then one conduit server serves the reuse and fault tests.
+
+TOKENS_PER_IMAGE = 16
+IMAGES = [make_image(100 + i) for i in range(3)]
+NEW_IMAGE = make_image(203)
+STORE = "You are a helpful assistant."
+REFRESH_ARGS = ["--mm-reuse-gate", "always", "--mm-report-reuse"]
+# what the stored conversation is asked before each probe, and the probes
+PROBES = {
+    "changed_prefix": ("Answer in one word.", IMAGES),
+    "reordered": ("Answer in one word.", IMAGES[::-1]),
+}
+FAULT_STAGES = [s for s in STAGES if s != "row_compaction"]  # no row compactor here
+
+
+def _conversation(system: str, images: list, question: str = "Describe the images.") -> list:
+    return [{"role": "system", "content": system}, user_message(question, images)]
+
+
+def _turns(reply: str) -> tuple[list[dict], list[dict]]:
+    """A first turn with two images, and a second under a changed system prompt that
+    shows them again with a new one."""
+    first = [user_message("Look at these.", IMAGES[:2])]
+    second = [
+        {"role": "system", "content": "Now answer briefly."},
+        *first,
+        {"role": "assistant", "content": reply},
+        user_message("And with this one, which is brightest?", [NEW_IMAGE]),
+    ]
+    return first, second
+
+
+def _chat(client: openai.OpenAI, messages: list[dict]) -> tuple[str, dict[str, float]]:
+    answer = _ask(client, messages)
+    return answer["text"], answer["top5"]
+
+
+def _assert_same(got: tuple, want: tuple, tol: float = 2e-2) -> None:
+    assert got[0] == want[0]
+    shared = set(got[1]) & set(want[1])
+    assert len(shared) >= 4
+    for token in shared:
+        assert abs(got[1][token] - want[1][token]) < tol, token
+
+
+def _refresh_server(model: Path, log: Path, extra: list[str], env: dict | None = None):
+    return ServerProcess(
+        "sgl_mmkv.launch_server",
+        model,
+        [*TP, *REFRESH_ARGS, *extra, *CPU_SERVER_ARGS],
+        log_path=log,
+        env=env or _env(None),
+        cwd=REPO,
+    )
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def off_answers(tiny_vlm, tmp_path_factory) -> dict:
+    """``--mm-reuse off`` at TP 2: the stored conversation, every probe, both turns."""
+    log = tmp_path_factory.mktemp("tp_off") / "off.log"
+    server = ServerProcess(
+        "sgl_mmkv.launch_server",
+        tiny_vlm,
+        [*TP, "--mm-reuse", "off", *CPU_SERVER_ARGS],
+        log_path=log,
+        env=_env(None),
+        cwd=REPO,
+    )
+    with server:
+        client = _client(server)
+        answers = {"store": _chat(client, _conversation(STORE, IMAGES))}
+        for name, (system, images) in PROBES.items():
+            answers[name] = _chat(client, _conversation(system, images))
+        first, _ = _turns("")
+        answers["first_turn"] = _chat(client, first)
+        answers["second_turn"] = _chat(client, _turns(answers["first_turn"][0])[1])
+        return answers
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tp_faults") / "stage"
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="module")
+def conduit(tiny_vlm, tmp_path_factory, off_answers, fault_file):
+    """A TP-2 conduit server at budget 1.0 (the fault file empty unless a test fills
+    it); started after the ``off`` answers, so that one TP-2 server runs at a time."""
+    log = tmp_path_factory.mktemp("tp_conduit") / "conduit.log"
+    env = {**_env(None), FAULT_FILE_ENV: str(fault_file)}
+    args = ["--mm-reuse", "conduit", "--mm-refresh-budget", "1.0"]
+    with _refresh_server(tiny_vlm, log, args, env) as server:
+        yield server
+
+
+def _delta(before: dict, after: dict, part: str, field: str) -> int | float:
+    return after[part][field] - before[part][field]
+
+
+def _reuses(server: ServerProcess) -> dict:
+    """The stored conversation, then the reordered probe: its counter deltas."""
+    client = _client(server)
+    _chat(client, _conversation(STORE, IMAGES))
+    before = mmkv_stats(server.base_url)
+    body = {
+        "model": "default",
+        "messages": _conversation(*PROBES["reordered"]),
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    after = mmkv_stats(server.base_url)
+    fields = ("reused_tokens", "refreshed_tokens", "fallbacks", "rank_disagreements")
+    return {f: _delta(before, after, "refresh", f) for f in fields}
+
+
+@pytest.mark.slow
+def test_tp2_conduit_at_budget_0_1_reuses(tiny_vlm, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tp_conduit01") / "conduit01.log"
+    args = ["--mm-reuse", "conduit", "--mm-refresh-budget", "0.1"]
+    with _refresh_server(tiny_vlm, log, args) as server:
+        counts = _reuses(server)
+    reused = 3 * TOKENS_PER_IMAGE
+    assert counts == {
+        "reused_tokens": reused,
+        "refreshed_tokens": math.ceil(0.1 * reused),
+        "fallbacks": 0,
+        "rank_disagreements": 0,
+    }
+
+
+def test_tp2_staleprobe_auto_reuses(tiny_vlm, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tp_staleprobe") / "staleprobe.log"
+    args = ["--mm-reuse", "staleprobe", "--mm-refresh-budget", "auto"]
+    with _refresh_server(tiny_vlm, log, args) as server:
+        counts = _reuses(server)
+    assert counts["reused_tokens"] == 3 * TOKENS_PER_IMAGE
+    assert 0 <= counts["refreshed_tokens"] <= counts["reused_tokens"]
+    assert counts["fallbacks"] == 0 and counts["rank_disagreements"] == 0
+
+
+@pytest.mark.parametrize("probe", list(PROBES))
+def test_tp2_conduit_at_budget_one_answers_as_off(conduit, off_answers, probe):
+    client = _client(conduit)
+    system, images = PROBES[probe]
+    flush_cache(conduit.base_url)
+    _assert_same(_chat(client, _conversation(STORE, IMAGES)), off_answers["store"])
+    before = mmkv_stats(conduit.base_url)
+    got = _chat(client, _conversation(system, images))
+    after = mmkv_stats(conduit.base_url)
+    _assert_same(got, off_answers[probe])
+    reused = len(images) * TOKENS_PER_IMAGE
+    assert _delta(before, after, "store", "hits") == len(images)
+    assert _delta(before, after, "refresh", "reused_tokens") == reused
+    assert _delta(before, after, "refresh", "refreshed_tokens") == reused
+    assert _delta(before, after, "refresh", "fallbacks") == 0
+    assert _delta(before, after, "refresh", "rank_disagreements") == 0
+    # one reusing extend: plan, copy, scoring (flag + statistics), selection, finish
+    assert _delta(before, after, "refresh", "rank_collectives") == 6
+
+
+def test_tp2_conduit_second_turn_answers_as_off(conduit, off_answers):
+    client = _client(conduit)
+    flush_cache(conduit.base_url)
+    first, _ = _turns("")
+    reply = _chat(client, first)
+    _assert_same(reply, off_answers["first_turn"])
+    before = mmkv_stats(conduit.base_url)
+    got = _chat(client, _turns(reply[0])[1])
+    after = mmkv_stats(conduit.base_url)
+    _assert_same(got, off_answers["second_turn"])
+    assert _delta(before, after, "store", "hits") == 2
+    assert _delta(before, after, "refresh", "reused_tokens") == 2 * TOKENS_PER_IMAGE
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_tp2_a_fault_on_rank_1_only_answers_as_stock_on_both(
+    conduit, off_answers, fault_file, stage
+):
+    """Rank 1 fails at ``stage``; rank 0 (whose counters the server reports) follows it
+    to stock, both answer as ``off``, and the server keeps serving and reusing."""
+    client = _client(conduit)
+    flush_cache(conduit.base_url)
+    before = mmkv_stats(conduit.base_url)
+    fault_file.write_text(f"{stage}@1")
+    try:
+        _assert_same(_chat(client, _conversation(STORE, IMAGES)), off_answers["store"])
+        _assert_same(_chat(client, _conversation(*PROBES["reordered"])), off_answers["reordered"])
+    finally:
+        fault_file.write_text("")
+    after = mmkv_stats(conduit.base_url)
+    # rank 0 answered a batch as stock because rank 1 failed (a fault after the
+    # stock extend of a batch that reused nothing leaves rank 1's store without the
+    # images: the next plans differ and neither rank reuses them)
+    followed = _delta(before, after, "refresh", "fallbacks")
+    assert followed + _delta(before, after, "refresh", "rank_disagreements") >= 1
+    assert requests.get(conduit.base_url + "/health", timeout=30).status_code == 200
+    # and without the fault the same probe reuses again
+    flush_cache(conduit.base_url)
+    _chat(client, _conversation(STORE, IMAGES))
+    before = mmkv_stats(conduit.base_url)
+    _assert_same(
+        _chat(client, _conversation(*PROBES["changed_prefix"])), off_answers["changed_prefix"]
+    )
+    after = mmkv_stats(conduit.base_url)
+    assert _delta(before, after, "refresh", "reused_tokens") == 3 * TOKENS_PER_IMAGE
+    assert _delta(before, after, "refresh", "fallbacks") == 0

@@ -26,6 +26,13 @@ One batch, top to bottom (:meth:`RefreshExecutor.execute_extend`):
 Stock SGLang code runs every pass (``EagerRunner._execute_extend`` on a sub-batch,
 the model's own modules); only the attention backend is ours for the pass. If
 anything in our path raises, the batch is answered as stock.
+
+At ``--tp-size`` > 1 every pass runs the model's all-reduces, so every rank must
+run the same passes over the same tokens. The ranks agree (``rank_agreement.py``)
+on the plans (step 1), before each pass and at the end (a failure on one rank:
+every rank answers the batch as stock), and on the statistics the pick reads
+(step 3): a reusing forward runs 5 small collectives, a batch with images that
+reuses nothing 1, a batch without images none.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from sgl_mmkv.refresh.fill import SegmentFiller
 from sgl_mmkv.refresh.kv_copy import SegmentCopier
 from sgl_mmkv.refresh.passes import run_pass, run_whole
 from sgl_mmkv.refresh.planning import ExtendPlanner
+from sgl_mmkv.refresh.rank_agreement import PeerFailed, RankAgreement
 from sgl_mmkv.refresh.ranker import Span, VisualRanker
 from sgl_mmkv.refresh.report import RefreshCounters, ReuseReporter, phase
 from sgl_mmkv.refresh.selection import TokenSelector
@@ -69,6 +77,8 @@ class RefreshExecutor:
         ranker: ranks images' tokens for scored eviction (``--mm-evict``), or None.
         row_compactor: shrinks rows after their prefill (holes, decode-time
             compression), or None.
+        agreement: the TP ranks' agreement, shared with the planner and selector
+            (a no-op at TP 1).
     """
 
     def __init__(
@@ -81,7 +91,9 @@ class RefreshExecutor:
         counters: RefreshCounters,
         ranker: VisualRanker | None = None,
         row_compactor: RowCompactor | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
+        self.agreement = agreement or RankAgreement()
         self.planner = planner
         self.copier = copier
         self.selector = selector
@@ -104,21 +116,30 @@ class RefreshExecutor:
     ) -> RefreshExecutor:
         """The executor of a server started with ``config``."""
         counters = RefreshCounters()
+        agreement = RankAgreement.of_tp_group()
         slot = embedding_slot or EmbeddingSlot()
         copier = SegmentCopier()
         budget = config.mm_refresh_budget
         compress = ranker.budget if ranker is not None and config.mm_compress_at == "fill" else None
         return cls(
             ExtendPlanner(
-                store, scorer, budget, config.mm_reuse_gate, counters, row_compactor, slot
+                store,
+                scorer,
+                budget,
+                config.mm_reuse_gate,
+                counters,
+                row_compactor,
+                slot,
+                agreement,
             ),
             copier,
-            TokenSelector(scorer, budget, copier, counters),
+            TokenSelector(scorer, budget, copier, counters, agreement),
             SegmentFiller(store, counters, config.mm_segment_fill, compress),
             ReuseReporter(scorer.name, counters, config.mm_report_reuse, on_forward),
             counters,
             ranker,
             row_compactor,
+            agreement,
         )
 
     @property
@@ -139,6 +160,8 @@ class RefreshExecutor:
         except Exception as error:
             self.recover(forward_batch, error)
             return _answer_as_stock(run_extend, forward_batch, ctx)
+        finally:
+            self.counters.rank_collectives = self.agreement.collectives
 
     def _stock(self, ctx: ExtendContext):
         """A batch that reuses nothing: the stock extend, then the shared tail. Its
@@ -154,15 +177,28 @@ class RefreshExecutor:
 
     def _reuse(self, ctx: ExtendContext):
         started = time.perf_counter()
-        with phase(self.counters, "copy", ctx.embeddings):
-            self.copier.copy(ctx.model_runner, ctx.forward_batch, list(ctx.plans))
-        fault_point("copy")
-        with phase(self.counters, "scoring", ctx.embeddings):
-            selection = self.selector.select(ctx)
-        selected, scored = selection.tokens, selection.scoring_output
-        del selection
-        active = self._refresh_rows(ctx, selected)
-        observer = self.ranker.observer_for(list(ctx.plans), active) if self.ranker else None
+        prepared, error = None, None
+        try:
+            with phase(self.counters, "copy", ctx.embeddings):
+                self.copier.copy(ctx.model_runner, ctx.forward_batch, list(ctx.plans))
+            fault_point("copy")
+            prepared = self.selector.prepare(ctx)
+        except Exception as caught:
+            error = caught
+        self.agreement.check(error, "copy")  # before the scoring pass
+        try:
+            with phase(self.counters, "scoring", ctx.embeddings):
+                selection = self.selector.select(ctx, prepared)
+            selected, scored = selection.tokens, selection.scoring_output
+            del selection
+            active = self._refresh_rows(ctx, selected)
+            observer = self.ranker.observer_for(list(ctx.plans), active) if self.ranker else None
+            error = None
+        except PeerFailed:
+            raise  # every rank raised it, at the selector's own agreement
+        except Exception as caught:
+            error = caught
+        self.agreement.check(error, "selection")  # before the refresh pass
         if observer is None and scored is not None and only_last_rows(active):
             out = scored
             self.counters.skipped_refresh_passes += 1
@@ -171,10 +207,16 @@ class RefreshExecutor:
             with phase(self.counters, "refresh", ctx.embeddings):
                 self.counters.executed_flops += ctx.pass_flops(active)
                 out = run_pass(ctx, active, observer=observer)
-        fault_point("refresh")
-        if self.row_compactor is not None:
-            self.row_compactor.plan_holes(ctx.forward_batch, list(ctx.plans))
-        self._finish(ctx, out, observer, active, selected, started)
+        try:
+            fault_point("refresh")
+            if self.row_compactor is not None:
+                self.row_compactor.plan_holes(ctx.forward_batch, list(ctx.plans))
+            self._finish(ctx, out, observer, active, selected, started)
+            error = None
+        except Exception as caught:
+            error = caught
+        # every rank returns this output, or every rank answers as stock
+        self.agreement.check(error, "finish")
         return out
 
     def _refresh_rows(self, ctx: ExtendContext, selected: list[torch.Tensor]):

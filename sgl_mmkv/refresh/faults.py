@@ -3,12 +3,17 @@
 A server started with ``SGL_MMKV_FAULT_FILE=<path>`` reads that file at each point
 and raises :class:`InjectedFault` where the file names the point; without the
 variable (every real deployment) a point costs one environment lookup. The tests
-use it to prove that a failure anywhere in our path falls back to stock.
+use it to prove that a failure anywhere in our path falls back to stock. The file
+may name one tensor-parallel rank as ``<stage>@<rank>`` (``copy@1``): only that
+rank's scheduler fails there, the others must follow it to stock
+(``rank_agreement.py``).
 """
 
 from __future__ import annotations
 
 import os
+
+from sgl_mmkv.refresh.rank_agreement import tp_position
 
 FAULT_FILE_ENV = "SGL_MMKV_FAULT_FILE"
 STAGES = (
@@ -37,5 +42,6 @@ def fault_point(stage: str) -> None:
             wanted = f.read().strip()
     except OSError:
         return
-    if wanted == stage:
-        raise InjectedFault(f"fault injected at {stage}")
+    name, _, rank = wanted.partition("@")
+    if name == stage and (not rank or int(rank) == tp_position()[1]):
+        raise InjectedFault(f"fault injected at {wanted}")

@@ -11,7 +11,12 @@ finishes each plan in order and freezes the result in an :class:`ExtendContext`:
    (:meth:`RowCompactor.may_shrink`) and the extend does not end in one of them;
    elsewhere they are computed fresh;
 3. the cost gate (``--mm-reuse-gate cost``): a request whose reuse would compute at
-   least its full prefill reuses nothing.
+   least its full prefill reuses nothing;
+4. at ``--tp-size`` > 1, the ranks' plans compared (:meth:`RankAgreement.plans`, one
+   small all-reduce in a batch with images): a request planned differently on
+   another rank (its store, its L3 tier or a deadline gave another answer) reuses
+   nothing on every rank, and a rank that failed to plan makes every rank answer
+   the batch as stock.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from sgl_mmkv.refresh.embedding_pass import EmbeddingPass, EmbeddingSlot
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.flops import DecoderShape
 from sgl_mmkv.refresh.plan import RequestPlan, plan_batch
+from sgl_mmkv.refresh.rank_agreement import PeerFailed, RankAgreement, plan_signature
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.refresh.sub_batch import needs_every_row
 from sgl_mmkv.scoring import RefreshBudget, TokenScorer
@@ -47,6 +53,7 @@ class ExtendPlanner:
     counters: the executor's counters (``stock_batches``, ``declined_reuses``).
     compactor: the row compactor, when rows may shrink after their prefill.
     embedding_slot: the process's embedding slot, for the contexts' passes.
+    agreement: the TP ranks' agreement (a no-op at TP 1).
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class ExtendPlanner:
         counters: RefreshCounters,
         compactor: RowCompactor | None = None,
         embedding_slot: EmbeddingSlot | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
         if gate not in GATES:
             raise ValueError(f"unknown reuse gate {gate!r}; choose one of {', '.join(GATES)}")
@@ -68,19 +76,21 @@ class ExtendPlanner:
         self.counters = counters
         self.compactor = compactor
         self.embedding_slot = embedding_slot or EmbeddingSlot()
+        self.agreement = agreement or RankAgreement()
         self._shape: DecoderShape | None = None
 
     def plan(self, run_extend: Callable, model_runner, forward_batch) -> ExtendContext:
-        """The frozen context of one extend forward."""
-        plans = plan_batch(self.store, forward_batch)
-        fault_point("plan")
-        if self._shape is None:
-            self._shape = DecoderShape.from_config(model_runner.model_config.hf_text_config)
-        mode = forward_batch.capture_hidden_mode
-        every_row = mode is not None and mode.is_full()
-        if every_row and any(p.spans for p in plans):
-            self.counters.stock_batches += 1
-        finished = tuple(self._finish(forward_batch, plan, every_row) for plan in plans)
+        """The frozen context of one extend forward. At TP > 1 every rank returns the
+        same plans, or every rank raises (this rank's error, or :class:`PeerFailed`)."""
+        finished, error = None, None
+        try:
+            finished = self._plans(model_runner, forward_batch)
+        except Exception as caught:
+            error = caught
+        if self.agreement.active and any(m is not None for m in forward_batch.mm_inputs or ()):
+            finished = self._agreed(finished, forward_batch.batch_size, error)
+        elif error is not None:
+            raise error
         return ExtendContext(
             run_extend=run_extend,
             model_runner=model_runner,
@@ -93,6 +103,36 @@ class ExtendPlanner:
             ),
             embedding_slot=self.embedding_slot,
         )
+
+    def _plans(self, model_runner, forward_batch) -> tuple[RequestPlan, ...]:
+        plans = plan_batch(self.store, forward_batch)
+        fault_point("plan")
+        if self._shape is None:
+            self._shape = DecoderShape.from_config(model_runner.model_config.hf_text_config)
+        mode = forward_batch.capture_hidden_mode
+        every_row = mode is not None and mode.is_full()
+        if every_row and any(p.spans for p in plans):
+            self.counters.stock_batches += 1
+        return tuple(self._finish(forward_batch, plan, every_row) for plan in plans)
+
+    def _agreed(
+        self, plans: tuple[RequestPlan, ...] | None, size: int, error: Exception | None
+    ) -> tuple[RequestPlan, ...]:
+        """``plans`` with every request the ranks planned differently reusing nothing;
+        raises on every rank if any failed to plan. Run by every rank for a batch with
+        images (``mm_inputs`` is the batch's, the same on every rank)."""
+        signatures = None if plans is None else [plan_signature(p) for p in plans]
+        same, failed = self.agreement.plans(signatures, size, error is not None)
+        if failed:
+            reason = "plan" if error is None else f"plan: {error!r}"
+            raise PeerFailed(reason) from error
+        agreed = []
+        for plan, ok in zip(plans, same, strict=True):
+            if not ok and plan.spans:
+                self.counters.rank_disagreements += 1
+                plan = replace(plan, spans=(), holes=False)
+            agreed.append(plan)
+        return tuple(agreed)
 
     def _finish(self, forward_batch, plan: RequestPlan, every_row: bool) -> RequestPlan:
         if not plan.spans:

@@ -36,6 +36,10 @@ class RefreshCounters(Counters):
     declined_reuses: int = 0
     stock_batches: int = 0  # batches with reuse run as stock (every row's outputs asked)
     fallbacks: int = 0  # forwards our path failed, served again by the stock extend
+    # --tp-size > 1: requests whose plans differed between ranks (reused nothing), and
+    # the collectives run to make the ranks agree (rank_agreement.py)
+    rank_disagreements: int = 0
+    rank_collectives: int = 0
     # 1: the Triton refresh kernel failed its start-up check; the SDPA path serves
     kernel_reference: int = 0
     skipped_refresh_passes: int = 0  # last rows alone to run: the scoring pass's output stood

@@ -15,7 +15,7 @@ methods need no pass. Scorers see a row with holes through its :class:`RowView`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.probes import ProbePass
+from sgl_mmkv.refresh.rank_agreement import RankAgreement
 from sgl_mmkv.refresh.row_kv import kv_at, row_kv, row_slots_at
 from sgl_mmkv.scoring import RefreshBudget, ScoringInputs, TokenScorer
 
@@ -51,41 +52,109 @@ class Selection:
     scoring_output: Any = None
 
 
+@dataclass(slots=True)
+class Prepared:
+    """What :meth:`TokenSelector.prepare` made before the selection's pass.
+
+    Attributes:
+        capture: the attention scorer's query capture (its per-layer statistics).
+        probes: the scorer's staleness probes.
+        active: per request ``(extend_len,)`` bool host mask of the scoring pass's rows.
+        slots: a deviation scorer's ``(N_v,)`` visual slots per request.
+        stale: a deviation scorer's per layer ``(K, V)`` copies at those slots.
+    """
+
+    capture: QueryCapture | None = None
+    probes: ProbePass | None = None
+    active: list[torch.Tensor] | None = None
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    stale: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+
 class TokenSelector:
     """Args:
     scorer: the ``--mm-reuse`` method.
     budget: ``--mm-refresh-budget``.
     copier: re-copies the stale KV after CacheBlend's deviation pass.
     counters: the executor's counters (``executed_flops``).
+    agreement: the TP ranks' agreement (a no-op at TP 1).
     """
 
-    def __init__(self, scorer: TokenScorer, budget: RefreshBudget, copier: SegmentCopier, counters):
+    def __init__(
+        self,
+        scorer: TokenScorer,
+        budget: RefreshBudget,
+        copier: SegmentCopier,
+        counters,
+        agreement: RankAgreement | None = None,
+    ):
         self.scorer = scorer
         self.budget = budget
         self.copier = copier
         self.counters = counters
+        self.agreement = agreement or RankAgreement()
 
-    def select(self, ctx: ExtendContext) -> Selection:
-        """The scorer's pick of each request's reused image tokens at the budget."""
+    def prepare(self, ctx: ExtendContext) -> Prepared:
+        """What the selection's pass needs, made before it runs (no collective): the
+        probes and their stale K/V, the active rows and the capture of an attention
+        scorer; the visual slots and stale K/V of a deviation scorer."""
+        prepared = Prepared()
         if self.scorer.needs_fresh_kv:
-            return Selection(self._select_by_deviation(ctx))
-        capture, probes, active, output = None, None, None, None
-        if self.scorer.needs_attention:
+            pool = ctx.model_runner.token_to_kv_pool
+            layers = self.scorer.deviation_layers(pool.layer_num)
+            slots = {p.index: _visual_slots(ctx, p) for p in ctx.plans if p.spans}
+            prepared.slots = slots
+            prepared.stale = {
+                i: [kv_at(pool, layer, s) for layer in layers] for i, s in slots.items()
+            }
+        elif self.scorer.needs_attention:
             probes = ProbePass(ctx, self.scorer)
             active = [scoring_rows(p.fresh_mask()) | probes.mask(p) for p in ctx.plans]
-            capture = self._capture(ctx, active)
+            prepared.capture = self._capture(ctx, active)
             probes.keep_stale(ctx)
-            self.counters.executed_flops += ctx.pass_flops(active)
-            output = run_pass(ctx, active, capture=capture)
-            fault_point("scoring")
-        selected = [
-            self._pick(ctx, plan, self._inputs(ctx, plan, capture, probes, active))
-            if plan.spans
-            else None
-            for plan in ctx.plans
-        ]
+            prepared.probes, prepared.active = probes, active
+        return prepared
+
+    def select(self, ctx: ExtendContext, prepared: Prepared | None = None) -> Selection:
+        """The scorer's pick of each request's reused image tokens at the budget. At
+        TP > 1 the ranks agree after the pass (:meth:`RankAgreement.any_failed`) and
+        average the statistics the picks read (:meth:`RankAgreement.mean`), so every
+        rank picks the same tokens."""
+        if prepared is None:
+            prepared = self.prepare(ctx)
+        if self.scorer.needs_fresh_kv:
+            return Selection(self._select_by_deviation(ctx, prepared))
+        capture, probes, active, output = prepared.capture, prepared.probes, prepared.active, None
+        error = None
+        try:
+            if self.scorer.needs_attention:
+                self.counters.executed_flops += ctx.pass_flops(active)
+                output = run_pass(ctx, active, capture=capture)
+                fault_point("scoring")
+            inputs = {
+                p.index: self._inputs(ctx, p, capture, probes, active) for p in ctx.plans if p.spans
+            }
+        except Exception as caught:
+            error = caught
+        self.agreement.check(error, "scoring")
+        inputs = self._averaged(inputs)
+        selected = [self._pick(ctx, p, inputs[p.index]) if p.spans else None for p in ctx.plans]
         fault_point("selection")
         return Selection(self._filled(ctx, selected), output)
+
+    def _averaged(self, inputs: dict[int, ScoringInputs]) -> dict[int, ScoringInputs]:
+        """Every request's ``layer_statistics`` and ``probe_deviation`` averaged over
+        the TP ranks (each computed them over its own KV heads), in one all-reduce;
+        as they are at TP 1."""
+        if not self.agreement.active:
+            return inputs
+        names = ("layer_statistics", "probe_deviation")
+        where = [(i, n) for i in sorted(inputs) for n in names if getattr(inputs[i], n) is not None]
+        means = self.agreement.mean([getattr(inputs[i], n) for i, n in where])
+        out = dict(inputs)
+        for (i, name), mean in zip(where, means, strict=True):
+            out[i] = replace(out[i], **{name: mean})
+        return out
 
     def _capture(self, ctx: ExtendContext, active: list[torch.Tensor]) -> QueryCapture:
         """What the scoring pass keeps: per layer statistics when the scorer has a
@@ -106,30 +175,41 @@ class TokenSelector:
             return QueryCapture(rows)
         return QueryCapture(rows, statistics=LayerStatistics(self.scorer, reduced))
 
-    def _select_by_deviation(self, ctx: ExtendContext) -> list[torch.Tensor]:
+    def _select_by_deviation(self, ctx: ExtendContext, prepared: Prepared) -> list[torch.Tensor]:
         """CacheBlend's signal (and the oracle's): the whole extend recomputed once (as
         costly as a full prefill; the paper's layer-by-layer shrinking is not done),
         the K/V of the scorer's layers at the reused tokens compared with the stale
-        ones (copied before, ``(N_v, H_kv, d)`` per layer), then the stale KV restored
-        for the refresh pass."""
+        ones (copied before, ``(N_v, H_kv, d)`` per layer, :meth:`prepare`), then the
+        stale KV restored for the refresh pass. At TP > 1 the ``(L, N_v)`` deviations
+        are averaged over the ranks before the pick."""
         pool = ctx.model_runner.token_to_kv_pool
         layers = self.scorer.deviation_layers(pool.layer_num)
-        slots = {p.index: _visual_slots(ctx, p) for p in ctx.plans if p.spans}
-        stale = {i: [kv_at(pool, layer, s) for layer in layers] for i, s in slots.items()}
+        slots, stale = prepared.slots, prepared.stale
         whole = [~p.hole_mask() for p in ctx.plans]
         self.counters.executed_flops += ctx.pass_flops(whole)
         run_pass(ctx, whole)
+        deviations, error = {}, None
+        try:
+            for plan in ctx.plans:
+                if plan.spans:
+                    deviations[plan.index] = torch.stack(
+                        [
+                            self.scorer.deviation(*kv, *kv_at(pool, layer, slots[plan.index]))
+                            for layer, kv in zip(layers, stale[plan.index], strict=True)
+                        ]
+                    )
+        except Exception as caught:
+            error = caught
+        self.agreement.check(error, "scoring")
+        order = sorted(deviations)
+        averaged = dict(
+            zip(order, self.agreement.mean([deviations[i] for i in order]), strict=True)
+        )
         selected = []
         for plan in ctx.plans:
             if not plan.spans:
                 selected.append(None)
                 continue
-            deviation = torch.stack(
-                [
-                    self.scorer.deviation(*kv, *kv_at(pool, layer, slots[plan.index]))
-                    for layer, kv in zip(layers, stale[plan.index], strict=True)
-                ]
-            )
             inputs = ScoringInputs(
                 queries=(),
                 keys=(),
@@ -137,7 +217,7 @@ class TokenSelector:
                 query_positions=torch.empty(0, dtype=torch.long),
                 image_spans=_spans(ctx, plan),
                 layer_ids=layers,
-                layer_statistics=deviation,
+                layer_statistics=averaged[plan.index],
                 device=ctx.device,
             )
             selected.append(self._pick(ctx, plan, inputs))

@@ -49,6 +49,9 @@ class KVFingerprint:
             language model's hidden size, times 1 + its DeepStack layers for
             Qwen3-VL); 0: entries carry no embeddings.
         embed_dtype: the dtype of that output (the model's).
+        tp_size, tp_rank: the tensor-parallel size and this rank: a segment holds the
+            rank's own KV heads, so an entry is valid only at the same TP size and
+            rank (left out of :meth:`fields` at TP 1, whose entries keep their names).
     """
 
     model: str
@@ -61,18 +64,36 @@ class KVFingerprint:
     pool: str = ""
     embed_width: int = 0
     embed_dtype: str = ""
+    tp_size: int = 1
+    tp_rank: int = 0
 
     @classmethod
     def of_pool(
-        cls, kv_pool, model: str, fill: str = "first", embeds: tuple[int, str] = (0, "")
+        cls,
+        kv_pool,
+        model: str,
+        fill: str = "first",
+        embeds: tuple[int, str] = (0, ""),
+        tp: tuple[int, int] = (1, 0),
     ) -> KVFingerprint:
         """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer);
-        ``embeds``: ``(embed_width, embed_dtype)`` of the model's vision encoder output."""
+        ``embeds``: ``(embed_width, embed_dtype)`` of the model's vision encoder output;
+        ``tp``: ``(tp_size, tp_rank)`` of this scheduler."""
         k, v = kv_pool.get_key_buffer(0), kv_pool.get_value_buffer(0)
         return cls(
             model, str(k.dtype), int(kv_pool.layer_num), int(k.shape[1]), int(k.shape[2]),
             int(v.shape[2]), fill, type(kv_pool).__name__, int(embeds[0]), str(embeds[1]),
+            int(tp[0]), int(tp[1]),
         )  # fmt: skip
+
+    def fields(self) -> dict[str, Any]:
+        """The fields an entry's name digest and header carry; the TP fields only at
+        TP > 1 (so TP 1 names and headers are those of before they existed, and a
+        TP 1 entry never matches a TP 2 rank's, nor rank 0's rank 1's)."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if self.tp_size == 1:
+            del out["tp_size"], out["tp_rank"]
+        return out
 
     def fits_embeddings(self, embeddings: torch.Tensor, key: SegmentKey) -> bool:
         """Whether ``embeddings`` ``(n_e, embed_width)`` can be stored with ``key``'s

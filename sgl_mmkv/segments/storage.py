@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -186,7 +186,7 @@ class SegmentStorage:
         self.limits = limits = limits or StorageLimits()
         self.directory = directory
         self.counters = StorageCounters()
-        self._fingerprint_fields = asdict(fingerprint)
+        self._fingerprint_fields = fingerprint.fields()
         self._generation = 0  # bumped by rebind(): writes queued before it are dropped
         self._lock = threading.Lock()
         self._damaged: OrderedDict[str, None] = OrderedDict()
@@ -410,7 +410,7 @@ class SegmentStorage:
         before) are dropped (``write_stale``), never written under the new one."""
         with self._lock:
             self.fingerprint = fingerprint
-            self._fingerprint_fields = asdict(fingerprint)
+            self._fingerprint_fields = fingerprint.fields()
             self._generation += 1
 
     def _save_of(self, generation: int, key: SegmentKey, stored: StoredSegment) -> bool:

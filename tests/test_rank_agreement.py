@@ -1,0 +1,207 @@
+"""``refresh/rank_agreement.py`` over two real gloo ranks (``torch.multiprocessing``):
+the ranks' statistics averaged so that a scorer picks the same tokens on both,
+plan signatures and failure flags agreed, and nothing run at TP 1.
+
+Each scenario runs in both ranks and returns what each rank saw; the assertions
+are made here on both results.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sgl_mmkv.refresh.rank_agreement import (
+    PeerFailed,
+    RankAgreement,
+    plan_signature,
+)
+from sgl_mmkv.refresh.selection import TokenSelector
+from sgl_mmkv.scoring import ScoringInputs, make_refresh_scorer
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, results) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        group = dist.group.WORLD
+        out = {}
+        for name, scenario in SCENARIOS.items():
+            out[name] = scenario(rank, RankAgreement(group, group, WORLD))
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict:
+    """Every scenario of ``SCENARIOS`` run in two gloo ranks (one spawn for all: a
+    spawned rank imports the refresh path): ``{scenario: [rank 0's, rank 1's]}``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    return {name: [got[r][name] for r in range(WORLD)] for name in SCENARIOS}
+
+
+def _inputs(rank: int) -> ScoringInputs:
+    """A request of two 8-token images whose per-layer statistics (2 layers) each rank
+    computed over its own heads: rank 0 favours the first image, rank 1 the second."""
+    gen = torch.Generator().manual_seed(rank)
+    stats = torch.rand(2, 16, generator=gen)
+    stats[:, 8 * rank : 8 * rank + 8] += 1.0
+    return ScoringInputs(
+        (),
+        (),
+        (),
+        torch.tensor([20]),
+        ((2, 10), (10, 18)),
+        layer_ids=(0, 1),
+        layer_statistics=stats,
+    )
+
+
+def _pick(rank: int, agreement: RankAgreement) -> dict:
+    scorer = make_refresh_scorer("conduit")
+    selector = TokenSelector(scorer, 0.25, None, None, agreement)
+    local = scorer.select(_inputs(rank), 0.25)
+    agreed = selector._averaged({0: _inputs(rank)})[0]
+    return {
+        "local": local.tolist(),
+        "agreed": scorer.select(agreed, 0.25).tolist(),
+        "stats": agreed.layer_statistics,
+        "collectives": agreement.collectives,
+    }
+
+
+def _mean(rank: int, agreement: RankAgreement) -> dict:
+    a = torch.full((2, 3), float(rank + 1))
+    b = torch.arange(4, dtype=torch.float32) * (rank + 1)
+    out = agreement.mean([a, b])
+    return {"out": out, "collectives": agreement.collectives}
+
+
+def _flags(rank: int, agreement: RankAgreement) -> dict:
+    return {
+        "none": agreement.any_failed(False),
+        "rank1": agreement.any_failed(rank == 1),
+        "both": agreement.any_failed(True),
+        "collectives": agreement.collectives,
+    }
+
+
+def _plans(rank: int, agreement: RankAgreement) -> dict:
+    # request 0 planned alike, request 1 differently (an L3 hit on rank 1 only)
+    signatures = [111, 222 if rank == 0 else 333]
+    same, failed = agreement.plans(signatures, 2, False)
+    # rank 1 failed to plan: no signatures, every rank sees the failure
+    same_f, failed_f = agreement.plans(None if rank == 1 else signatures, 2, rank == 1)
+    return {"same": same, "failed": failed, "failed_f": failed_f, "same_f": same_f}
+
+
+def _check(rank: int, agreement: RankAgreement) -> dict:
+    error = RuntimeError("boom") if rank == 1 else None
+    try:
+        agreement.check(error, "copy")
+    except PeerFailed as raised:
+        caught = str(raised)
+    else:
+        caught = None
+    agreement.check(None, "selection")  # nobody failed: no raise
+    return {"caught": caught, "collectives": agreement.collectives}
+
+
+SCENARIOS = {"pick": _pick, "mean": _mean, "flags": _flags, "plans": _plans, "check": _check}
+
+
+def test_ranks_pick_different_tokens_alone_and_the_same_after_the_mean(ranks):
+    r0, r1 = ranks["pick"]
+    assert r0["local"] != r1["local"]  # what each rank's own heads pick (the bug)
+    assert r0["agreed"] == r1["agreed"]
+    assert len(r0["agreed"]) == 4  # ceil(0.25 * 16)
+    want = (_inputs(0).layer_statistics + _inputs(1).layer_statistics) / 2
+    torch.testing.assert_close(r0["stats"], want)
+    torch.testing.assert_close(r1["stats"], want)
+    assert r0["collectives"] == r1["collectives"] == 1
+
+
+def test_mean_is_one_all_reduce_of_every_tensor(ranks):
+    r0, r1 = ranks["mean"]
+    for r in (r0, r1):
+        a, b = r["out"]
+        torch.testing.assert_close(a, torch.full((2, 3), 1.5))
+        torch.testing.assert_close(b, torch.arange(4, dtype=torch.float32) * 1.5)
+        assert r["collectives"] == 1
+
+
+def test_a_failure_on_one_rank_is_every_rank_s(ranks):
+    r0, r1 = ranks["flags"]
+    for r in (r0, r1):
+        assert (r["none"], r["rank1"], r["both"]) == (False, True, True)
+        assert r["collectives"] == 3
+
+
+def test_plans_agree_per_request_and_a_failed_plan_fails_every_rank(ranks):
+    r0, r1 = ranks["plans"]
+    for r in (r0, r1):
+        assert r["same"] == [True, False] and r["failed"] is False
+        assert r["failed_f"] is True
+
+
+def test_check_raises_peer_failed_on_every_rank(ranks):
+    r0, r1 = ranks["check"]
+    assert r0["caught"] == "copy"  # rank 0 did not fail, it follows rank 1
+    assert r1["caught"] == "copy: RuntimeError('boom')"
+    assert r0["collectives"] == r1["collectives"] == 2
+
+
+def test_tp1_runs_no_collective_and_returns_its_inputs():
+    single = RankAgreement()
+    t = torch.ones(3)
+    assert single.mean([t])[0] is t
+    assert single.any_failed(True) is True and single.any_failed(False) is False
+    assert single.plans([5, 6], 2, False) == ([True, True], False)
+    with pytest.raises(ValueError, match="boom"):
+        single.check(ValueError("boom"), "copy")  # the error itself, as before
+    inputs = {0: _inputs(0)}
+    assert (
+        TokenSelector(make_refresh_scorer("conduit"), 0.25, None, None)._averaged(inputs) is inputs
+    )
+    assert single.collectives == 0
+    assert RankAgreement.of_tp_group().world_size == 1  # no SGLang group here
+
+
+def test_plan_signature_tells_plans_apart():
+    from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
+    from sgl_mmkv.segments.store import Segment
+
+    def plan(delta: int = 3, kept=None, holes: bool = False) -> RequestPlan:
+        segment = Segment(None, torch.arange(8), torch.zeros(3, 8, dtype=torch.long), kept=kept)
+        return RequestPlan(0, 0, 20, spans=(ReuseSpan(4, 12, segment, delta),), holes=holes)
+
+    base = plan_signature(plan())
+    assert base == plan_signature(plan())  # the same plan on another rank
+    assert 0 <= base < 2**62
+    assert base != plan_signature(plan(delta=4))
+    assert base != plan_signature(plan(kept=torch.arange(0, 8, 2)))  # a compressed segment
+    assert base != plan_signature(plan(holes=True))
+    assert base != plan_signature(RequestPlan(0, 0, 20))  # a miss on one rank
