@@ -11,12 +11,15 @@ bit exact, bounded by the key before allocation, older formats misses.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
+from sgl_mmkv.segments.entry_format import FORMAT_VERSION, key_fields
 from sgl_mmkv.segments.key import Namespace, SegmentKey
 from sgl_mmkv.segments.storage import (
     HEADER_BYTES,
@@ -120,6 +123,28 @@ def test_other_namespace_or_fingerprint_is_a_miss(storage, tmp_path):
     ):
         assert open_storage("file", changed, directory=str(tmp_path)).load(key()) is None
     assert storage.counters.misses == 4 and storage.counters.hits == 0
+
+
+def test_an_entry_of_another_tp_size_or_rank_is_a_miss(storage, tmp_path):
+    """A segment holds its rank's KV heads: a TP-1 entry of a 2-KV-head model has the
+    shape a TP-2 rank of a 4-head model holds, and must still never load there, nor
+    rank 1's at rank 0. TP-1 names and headers are those of before the TP fields."""
+    assert storage.save(key(), stored())
+    tp2 = [replace(FINGERPRINT, tp_size=2, tp_rank=rank) for rank in (0, 1)]
+    ranks = [open_storage("file", fp, directory=str(tmp_path)) for fp in tp2]
+    for rank in ranks:
+        assert rank.load(key()) is None  # the TP-1 entry
+    assert ranks[1].save(key(), stored())
+    assert ranks[0].load(key()) is None  # rank 1's entry
+    assert_same(ranks[1].load(key()), stored())
+    names = {s.entry_name(key()) for s in (storage, *ranks)}
+    assert len(names) == 3
+    assert "tp_size" not in FINGERPRINT.fields() and tp2[1].fields()["tp_rank"] == 1
+    fields = [f for f in FINGERPRINT.__dataclass_fields__ if not f.startswith("tp_")]
+    kv = {f: getattr(FINGERPRINT, f) for f in fields}
+    tp1 = {"v": FORMAT_VERSION, "key": key_fields(key()), "kv": kv}
+    digest = hashlib.sha256(json.dumps(tp1, sort_keys=True).encode()).hexdigest()
+    assert storage.entry_name(key()).endswith(digest)
 
 
 def test_entry_under_a_foreign_header_is_a_miss(storage, tmp_path):
@@ -439,15 +464,13 @@ def test_two_instances_writing_one_image_at_once_never_mix_payloads(storage, tmp
 def plant_header(storage: SegmentStorage, k: SegmentKey, **changes) -> None:
     """A valid-checksum header for ``k`` under ``storage``'s fingerprint, with fields
     changed as asked (what someone who can write the directory can do)."""
-    from dataclasses import asdict
-
-    from sgl_mmkv.segments.entry_format import FORMAT_VERSION, encode_header, key_fields
+    from sgl_mmkv.segments.entry_format import encode_header
 
     n = k.num_tokens
     fields = {
         "version": FORMAT_VERSION,
         "key": key_fields(k),
-        "kv": asdict(storage.fingerprint),
+        "kv": storage.fingerprint.fields(),
         "dtype": storage.fingerprint.dtype,
         "positions": [3, n],
         "kept": None,
