@@ -31,7 +31,7 @@ At ``--tp-size`` > 1 every pass runs the model's all-reduces, so every rank must
 run the same passes over the same tokens. The ranks agree (``rank_agreement.py``)
 on the plans (step 1), before each pass and at the end (a failure on one rank:
 every rank answers the batch as stock), and on the statistics the pick reads
-(step 3): a reusing forward runs 5 small collectives, a batch with images that
+(step 3): a reusing forward runs 6 small collectives, a batch with images that
 reuses nothing 1, a batch without images none.
 """
 
@@ -162,6 +162,7 @@ class RefreshExecutor:
             return _answer_as_stock(run_extend, forward_batch, ctx)
         finally:
             self.counters.rank_collectives = self.agreement.collectives
+            self.counters.rank_seconds = self.agreement.seconds
 
     def _stock(self, ctx: ExtendContext):
         """A batch that reuses nothing: the stock extend, then the shared tail. Its

@@ -27,6 +27,7 @@ returns its input and runs no collective, so a single rank stays byte-identical.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ class RankAgreement:
 
     Attributes:
         collectives: collectives run since start (a counter, for the report).
+        seconds: host wall time spent in them (on CUDA, NCCL's launches and the flags'
+            waits; on the CPU, the whole exchange).
     """
 
     def __init__(self, cpu_group: Any = None, device_group: Any = None, world_size: int = 1):
@@ -61,6 +64,7 @@ class RankAgreement:
         self.device_group = device_group
         self.world_size = world_size
         self.collectives = 0
+        self.seconds = 0.0
 
     @classmethod
     def of_tp_group(cls) -> RankAgreement:
@@ -142,8 +146,10 @@ class RankAgreement:
         return out
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any, group: Any) -> None:
+        started = time.perf_counter()
         self.collectives += 1
         dist.all_reduce(tensor, op=op, group=group)
+        self.seconds += time.perf_counter() - started
 
 
 def tp_position() -> tuple[int, int]:

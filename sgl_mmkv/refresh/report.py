@@ -40,6 +40,7 @@ class RefreshCounters(Counters):
     # the collectives run to make the ranks agree (rank_agreement.py)
     rank_disagreements: int = 0
     rank_collectives: int = 0
+    rank_seconds: float = 0.0
     # 1: the Triton refresh kernel failed its start-up check; the SDPA path serves
     kernel_reference: int = 0
     skipped_refresh_passes: int = 0  # last rows alone to run: the scoring pass's output stood
