@@ -130,7 +130,19 @@ def _check(rank: int, agreement: RankAgreement) -> dict:
     return {"caught": caught, "collectives": agreement.collectives}
 
 
-SCENARIOS = {"pick": _pick, "mean": _mean, "flags": _flags, "plans": _plans, "check": _check}
+def _all_of(rank: int, agreement: RankAgreement) -> dict:
+    # image 0's embeddings on both ranks' stores, image 1's on rank 0's only
+    return {"usable": agreement.all_of([True, rank == 0, False]), "n": agreement.collectives}
+
+
+SCENARIOS = {
+    "all_of": _all_of,
+    "pick": _pick,
+    "mean": _mean,
+    "flags": _flags,
+    "plans": _plans,
+    "check": _check,
+}
 
 
 def test_ranks_pick_different_tokens_alone_and_the_same_after_the_mean(ranks):
@@ -174,12 +186,18 @@ def test_check_raises_peer_failed_on_every_rank(ranks):
     assert r0["collectives"] == r1["collectives"] == 2
 
 
+def test_embeddings_are_supplied_only_where_every_rank_holds_them(ranks):
+    r0, r1 = ranks["all_of"]
+    assert r0 == r1 == {"usable": [True, False, False], "n": 1}
+
+
 def test_tp1_runs_no_collective_and_returns_its_inputs():
     single = RankAgreement()
     t = torch.ones(3)
     assert single.mean([t])[0] is t
     assert single.any_failed(True) is True and single.any_failed(False) is False
     assert single.plans([5, 6], 2, False) == ([True, True], False)
+    assert single.all_of([True, False]) == [True, False]
     with pytest.raises(ValueError, match="boom"):
         single.check(ValueError("boom"), "copy")  # the error itself, as before
     inputs = {0: _inputs(0)}

@@ -116,7 +116,7 @@ class RefreshExecutor:
     ) -> RefreshExecutor:
         """The executor of a server started with ``config``."""
         counters = RefreshCounters()
-        agreement = RankAgreement.of_tp_group()
+        agreement = RankAgreement.shared()
         slot = embedding_slot or EmbeddingSlot()
         copier = SegmentCopier()
         budget = config.mm_refresh_budget

@@ -38,6 +38,9 @@ import torch.distributed as dist
 _SIGNATURE_MASK = (1 << 62) - 1
 
 
+_shared: RankAgreement | None = None
+
+
 class PeerFailed(RuntimeError):
     """Another tensor-parallel rank failed at this stage: this one answers as stock too."""
 
@@ -79,6 +82,15 @@ class RankAgreement:
         if group is None or group.world_size <= 1:
             return cls()
         return cls(group.cpu_group, group.device_group, group.world_size)
+
+    @classmethod
+    def shared(cls) -> RankAgreement:
+        """This process's agreement of SGLang's TP group, made once (the executor and
+        the embedding build share it, so its :attr:`collectives` count both)."""
+        global _shared
+        if _shared is None or (_shared.world_size == 1 and cls.of_tp_group().active):
+            _shared = cls.of_tp_group()
+        return _shared
 
     @property
     def active(self) -> bool:
@@ -128,6 +140,15 @@ class RankAgreement:
         self._all_reduce(values, dist.ReduceOp.MIN, self.cpu_group)
         lowest, highest = values[:size], -values[size : 2 * size]
         return (lowest == highest).tolist(), bool(values[-1] < 0)
+
+    def all_of(self, flags: list[bool]) -> list[bool]:
+        """Per entry, whether ``flags[i]`` holds on every rank: one MIN all-reduce of
+        ``(len(flags),)`` int64 over the CPU group (``flags`` as they are at TP 1)."""
+        if not self.active or not flags:
+            return flags
+        values = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        self._all_reduce(values, dist.ReduceOp.MIN, self.cpu_group)
+        return [bool(v) for v in values.tolist()]
 
     def mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each of ``tensors`` (any shapes, one device) averaged over the ranks: one

@@ -12,6 +12,12 @@ for all of them. :class:`SegmentEncoders` wraps that encoder for one such build:
 - the output of every image encoded (or found in SGLang's ViT cache, which only this
   server fills) is captured for the segment its request fills (``refresh/fill.py``).
 
+Tensor parallelism: the vision tower is sharded over the TP group (its own
+all-reduces), so every rank must encode the same images. At ``--tp-size`` > 1 an
+image's stored embeddings are used only where every rank's store holds them (one
+MIN all-reduce of a flag per image of the batch, :meth:`RankAgreement.all_of`);
+elsewhere every rank encodes it.
+
 Isolation: a segment's embeddings are used only where every request of the batch that
 shows the image is in the segment's namespace, and the ViT cache entries SGLang makes
 of them in the build are removed after it, so embeddings read from storage never reach
@@ -29,6 +35,7 @@ from typing import Any
 
 import torch
 
+from sgl_mmkv.refresh.rank_agreement import RankAgreement
 from sgl_mmkv.segments.key import UNTAGGED, SegmentKey, item_key, item_span, read_namespace
 from sgl_mmkv.segments.store import SegmentStore
 
@@ -241,6 +248,44 @@ class SegmentEncoders:
         return captured
 
 
+def _agree_supply(build: SegmentEncoders | None, batch: Any) -> None:
+    """At TP > 1: keep in ``build.supply`` only the images every rank can supply, so
+    every rank's vision tower encodes the same images. Every rank runs the one
+    collective for a batch with images (``_batch_images``: the same on every rank),
+    a rank whose build failed with no image to supply."""
+    agreement = RankAgreement.shared()
+    if not agreement.active:
+        return
+    hashes = _batch_images(batch)
+    if not hashes:
+        return
+    supply = {} if build is None else build.supply
+    usable = agreement.all_of([h in supply for h in hashes])
+    if build is not None:
+        build.supply = {h: supply[h] for h, ok in zip(hashes, usable, strict=True) if ok}
+
+
+def _batch_images(batch: Any) -> list[int]:
+    """The item hashes of every image overlapping ``batch``'s extend, in batch order,
+    once each; none for a batch :meth:`SegmentEncoders.of_batch` builds nothing for."""
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or mode.is_decode() or mode.is_target_verify():
+        return []
+    if not batch.contains_mm_inputs():
+        return []
+    prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+    hashes: dict[int, None] = {}
+    for i, mm_inputs in enumerate(batch.mm_inputs or []):
+        if mm_inputs is None:
+            continue
+        lo, hi = int(prefix[i]), int(prefix[i]) + int(extend[i])
+        for item in mm_inputs.mm_items or []:
+            span = None if item is None else item_span(item)
+            if span is not None and span[1] > lo and span[0] < hi:
+                hashes[item.hash] = None
+    return list(hashes)
+
+
 def _vit_cache():
     """SGLang's ViT cache of this process (``MultiModalStaticCache``), or None."""
     from sglang.srt.managers import mm_schedule
@@ -257,10 +302,17 @@ def segment_encoders(
     the build captured goes to ``slot.captured`` (the embedding slot) when it ends."""
     try:
         build = SegmentEncoders.of_batch(store, batch)
-        wrapped = None if build is None else build.encoders(multimodal_model, funcs)
     except Exception as error:  # never the reason a forward fails: the stock encoders
         logger.warning("sgl_mmkv: image embeddings built as stock (%r)", error)
         build = None
+    _agree_supply(build, batch)
+    wrapped = None
+    if build is not None:
+        try:
+            wrapped = build.encoders(multimodal_model, funcs)
+        except Exception as error:
+            logger.warning("sgl_mmkv: image embeddings built as stock (%r)", error)
+            build = None
     if build is None:
         yield funcs
         return
