@@ -323,8 +323,9 @@ def test_tp2_conduit_at_budget_one_answers_as_off(conduit, off_answers, probe):
     assert _delta(before, after, "refresh", "refreshed_tokens") == reused
     assert _delta(before, after, "refresh", "fallbacks") == 0
     assert _delta(before, after, "refresh", "rank_disagreements") == 0
-    # one reusing extend: plan, copy, scoring (flag + statistics), selection, finish
-    assert _delta(before, after, "refresh", "rank_collectives") == 6
+    # one reusing extend: plan, copy, scoring (flag + statistics), selection, finish,
+    # and the images' embedding build (which stored embeddings every rank holds)
+    assert _delta(before, after, "refresh", "rank_collectives") == 7
 
 
 def test_tp2_conduit_second_turn_answers_as_off(conduit, off_answers):

@@ -31,8 +31,9 @@ At ``--tp-size`` > 1 every pass runs the model's all-reduces, so every rank must
 run the same passes over the same tokens. The ranks agree (``rank_agreement.py``)
 on the plans (step 1), before each pass and at the end (a failure on one rank:
 every rank answers the batch as stock), and on the statistics the pick reads
-(step 3): a reusing forward runs 6 small collectives, a batch with images that
-reuses nothing 1, a batch without images none.
+(step 3): a reusing forward runs 6 small collectives (7 when it builds image
+embeddings: ``segment_embeddings.py``), a batch with images that reuses nothing 1
+or 2, a batch without images none.
 """
 
 from __future__ import annotations
