@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL (interleaved M-RoPE, DeepStack)",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL MoE (interleaved M-RoPE, DeepStack, MoE MLP)",
     "LlavaForConditionalGeneration": "LLaVA, HF format (1-D RoPE)",
 }
 # Of those, the ones with M-RoPE: decode-time compression shortens a request's row
@@ -39,6 +40,7 @@ MROPE_ARCHITECTURES = frozenset(
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
     }
 )
 UNSCALED_ROPE_TYPES = (None, "default", "mrope")
