@@ -29,6 +29,7 @@ back descaled (:func:`~sgl_mmkv.refresh.kv_scales.layer_scales`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -45,8 +46,8 @@ from sgl_mmkv.refresh.row_view import RowView
 
 
 def save_kv(
-    pool,
-    layer,
+    pool: Any,
+    layer: Any,
     loc: KVWriteLoc,
     k: torch.Tensor,
     v: torch.Tensor,
