@@ -25,6 +25,7 @@ from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.cost import scoring_rows
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.kv_copy import SegmentCopier
+from sgl_mmkv.refresh.kv_scales import scales_of
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
@@ -112,10 +113,10 @@ class TokenSelector:
         the K/V of the scorer's layers at the reused tokens compared with the stale
         ones (copied before, ``(N_v, H_kv, d)`` per layer), then the stale KV restored
         for the refresh pass."""
-        pool = ctx.model_runner.token_to_kv_pool
+        pool, scales = ctx.model_runner.token_to_kv_pool, scales_of(ctx.model_runner)
         layers = self.scorer.deviation_layers(pool.layer_num)
         slots = {p.index: _visual_slots(ctx, p) for p in ctx.plans if p.spans}
-        stale = {i: [kv_at(pool, layer, s) for layer in layers] for i, s in slots.items()}
+        stale = {i: [kv_at(pool, layer, s, scales) for layer in layers] for i, s in slots.items()}
         whole = [~p.hole_mask() for p in ctx.plans]
         self.counters.executed_flops += ctx.pass_flops(whole)
         run_pass(ctx, whole)
@@ -126,7 +127,7 @@ class TokenSelector:
                 continue
             deviation = torch.stack(
                 [
-                    self.scorer.deviation(*kv, *kv_at(pool, layer, slots[plan.index]))
+                    self.scorer.deviation(*kv, *kv_at(pool, layer, slots[plan.index], scales))
                     for layer, kv in zip(layers, stale[plan.index], strict=True)
                 ]
             )

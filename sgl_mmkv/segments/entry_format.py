@@ -49,6 +49,9 @@ class KVFingerprint:
             language model's hidden size, times 1 + its DeepStack layers for
             Qwen3-VL); 0: entries carry no embeddings.
         embed_dtype: the dtype of that output (the model's).
+        kv_scales: fp8 KV: 16 hex digits over the dtype and every layer's K and V
+            scales (:meth:`sgl_mmkv.refresh.kv_scales.KVScales.digest`), so KV
+            stored under other scales never loads; ``""`` for plain KV.
     """
 
     model: str
@@ -61,17 +64,26 @@ class KVFingerprint:
     pool: str = ""
     embed_width: int = 0
     embed_dtype: str = ""
+    kv_scales: str = ""
 
     @classmethod
     def of_pool(
-        cls, kv_pool, model: str, fill: str = "first", embeds: tuple[int, str] = (0, "")
+        cls,
+        kv_pool,
+        model: str,
+        fill: str = "first",
+        embeds: tuple[int, str] = (0, ""),
+        kv_scales: str = "",
     ) -> KVFingerprint:
-        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer);
-        ``embeds``: ``(embed_width, embed_dtype)`` of the model's vision encoder output."""
+        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer,
+        its dtype as they read it: an fp8 pool's fp8 view, not its uint8 storage);
+        ``embeds``: ``(embed_width, embed_dtype)`` of the model's vision encoder output;
+        ``kv_scales``: the digest of an fp8 pool's scales."""
         k, v = kv_pool.get_key_buffer(0), kv_pool.get_value_buffer(0)
         return cls(
             model, str(k.dtype), int(kv_pool.layer_num), int(k.shape[1]), int(k.shape[2]),
             int(v.shape[2]), fill, type(kv_pool).__name__, int(embeds[0]), str(embeds[1]),
+            kv_scales,
         )  # fmt: skip
 
     def fits_embeddings(self, embeddings: torch.Tensor, key: SegmentKey) -> bool:
