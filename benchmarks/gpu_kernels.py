@@ -19,6 +19,14 @@ dim 128), KV in shuffled pool slots:
   attention-mass reduction (Triton against its chunked torch reference);
 - ``gather_rotate_kv``: copying and re-positioning one image span (K rotated),
   against the torch reference.
+- ``fp8``: KV as SGLang's fp8 pool keeps it (``fp8_e4m3``, ``fp8_e5m2``; per-tensor
+  K and V scales 0.37 and 2.5): the refresh attention (Triton and SDPA) over it
+  against the float32 reference over its dequantized values, timed beside the bf16
+  kernel over the same values; and ``gather_rotate_kv`` against the float32 rotation,
+  within one fp8 rounding (relative 2^-4 for e4m3, 2^-3 for e5m2, plus a subnormal
+  step), V byte for byte. The dry run copies with the torch reference (Triton's
+  interpreter casts float32 to fp8 wrongly where rounding carries into the next
+  binade).
 
 Errors are max |kernel - float32 reference|, checked against a tolerance per dtype
 (exit 1 if one is over). Times are medians of ``triton.testing.do_bench``.
@@ -44,7 +52,11 @@ if DRY:
 
 import torch  # noqa: E402
 
-from sgl_mmkv.kernels.gather_rotate import gather_rotate_kv_reference, rope_inv_freq  # noqa: E402
+from sgl_mmkv.kernels.gather_rotate import (  # noqa: E402
+    gather_rotate_kv_reference,
+    rope_inv_freq,
+    rotate_neox,
+)
 from sgl_mmkv.kernels.gather_rotate_triton import gather_rotate_kv_triton  # noqa: E402
 from sgl_mmkv.kernels.reference import (  # noqa: E402
     attention_mass_reference,
@@ -60,6 +72,8 @@ from sgl_mmkv.kernels.scattered_attention_triton import attention_mass_triton  #
 TARGET_RATIO = 0.15
 TOL = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 3), "fp8_e5m2": (torch.float8_e5m2, 2)}  # mantissa
+FP8_SCALES = (0.37, 2.5)  # per-tensor K and V scales, neither 1
 REFERENCE_CHUNK = 512  # queries per float32 reference chunk (a 32k row fits an H100)
 
 
@@ -324,6 +338,77 @@ def gather_case(b: Bench, n: int, dtype_name: str) -> dict:
     }
 
 
+def fp8_case(b: Bench, n: int, fp8_name: str, fraction: float) -> dict:
+    """One row of ``n`` tokens of fp8 KV with per-tensor scales: the refresh attention
+    against the float32 reference over the dequantized KV, and a rotated copy of
+    ``n / 2`` tokens against the float32 rotation within one fp8 rounding."""
+    dtype, bits = FP8[fp8_name]
+    k_scale, v_scale = FP8_SCALES
+    s, device = b.shape, b.device
+    g = torch.Generator(device=device).manual_seed(n + bits)
+    shape = (2 * n, s.kv_heads, s.head_dim)
+    k = (torch.randn(shape, device=device, generator=g) / k_scale).to(dtype)
+    v = (torch.randn(shape, device=device, generator=g) / v_scale).to(dtype)
+    kd, vd = k.float() * k_scale, v.float() * v_scale
+    slots = torch.randperm(2 * n, device=device, generator=g)[:n]
+    pos = torch.randperm(n, device=device, generator=g)[: max(2, int(fraction * n))]
+    pos = pos.sort().values
+    pos[-1] = n - 1
+    q_name = "fp32" if device == "cpu" else "bf16"
+    q = b.queries(pos.numel(), DTYPES[q_name], g)
+    want = reference(q, kd, vd, slots, pos)
+    plan = plan_refresh_attention([pos.cpu()], slots, [n], kernel="triton")
+    sdpa_plan = plan_refresh_attention([pos.cpu()], slots, [n], kernel="sdpa")
+    name = f"fp8 {fp8_name} rows {n}"
+
+    def run():
+        return refresh_attention_triton(q, k, v, plan, k_scale=k_scale, v_scale=v_scale)
+
+    def sdpa():
+        return refresh_attention_sdpa(q, k, v, sdpa_plan, None, k_scale, v_scale)
+
+    entry = {
+        "kernel": "fp8",
+        "dtype": fp8_name,
+        "query_dtype": q_name,
+        "scales": list(FP8_SCALES),
+        "row_tokens": n,
+        "queries": pos.numel(),
+        "max_abs_err": b.error(name, run(), want, q_name),
+        "sdpa_max_abs_err": b.error(f"{name} sdpa", sdpa(), want, q_name),
+        "triton_ms": b.time_ms(run),
+    }
+    plain = (kd.to(q.dtype), vd.to(q.dtype))  # the same values as plain KV
+    entry["plain_kv_triton_ms"] = b.time_ms(lambda: refresh_attention_triton(q, *plain, plan))
+    m = n // 2
+    src, dst = slots[:m], slots[m:]
+    delta = torch.randint(-4000, 4000, (m,), device=device, generator=g)
+    inv_freq = rope_inv_freq(s.head_dim, 1e6, device)
+    k_got, v_got = k.clone(), v.clone()
+    copy = gather_rotate_kv_reference if device == "cpu" else gather_rotate_kv_triton
+    copy(k_got, v_got, src, dst, delta, inv_freq)
+    want_k = rotate_neox(kd[src], delta, inv_freq)
+    got_k = k_got[dst].float() * k_scale
+    tiny = torch.finfo(dtype).smallest_normal * k_scale
+    error = (got_k - want_k).abs()
+    relative = float((error / want_k.abs().clamp_min(tiny)).max())
+    over = float((error - (2.0 ** -(bits + 1) * want_k.abs() + tiny)).max())
+    v_exact = bool(torch.equal(v_got[dst].view(torch.uint8), v[src].view(torch.uint8)))
+    if over > 0 or not v_exact:
+        b.failures.append(
+            f"{name} gather_rotate: {over:.3g} past one fp8 rounding, V exact {v_exact}"
+        )
+    entry.update(
+        gather_tokens=m,
+        gather_kernel="torch (dry run)" if device == "cpu" else "triton",
+        gather_k_max_rel_err=relative,
+        gather_k_bound_rel=2.0 ** -(bits + 1),
+        gather_v_exact=v_exact,
+        gather_ms=b.time_ms(lambda: copy(k_got, v_got, src, dst, delta, inv_freq)),
+    )
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="2048,8192,32768")
@@ -361,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     cases.append(lambda: refresh_case(b, shape.dtypes[0], 4, args.refresh_fraction))
     cases += [lambda n=n: rows_case(b, n, shape.dtypes[0], args.query_fraction) for n in rows]
     cases += [lambda n=n: gather_case(b, n, shape.dtypes[0]) for n in rows]
+    cases += [lambda f=f: fp8_case(b, rows[0], f, args.query_fraction) for f in FP8]
     for case in cases:
         entry = case()
         record["results"].append(entry)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device run (at most 10 minutes on one H100 from a bare machine: the timeouts
 # below add up to 600 s at the default TRAIN_SECONDS=90): the kernel
-# tests on CUDA, kernel error + timings against the torch references (the refresh
-# attention's time ratio to a flash prefill among them), the refresh path end to end
-# over the project's stand-ins on the device, and a GPU training probe of
-# the fidelity model. Results go to $OUT (or ./gpu-check). The device machine has
+# tests on CUDA (the fp8 KV kernels among them: tests/test_fp8_kernels.py), kernel
+# error + timings against the torch references (the refresh attention's time ratio
+# to a flash prefill, and the fp8 KV cases, among them), the refresh path end to end
+# over the project's stand-ins on the device (plain and fp8 KV), and a GPU training
+# probe of the fidelity model. Results go to $OUT (or ./gpu-check). The device machine has
 # torch and triton but no sglang, so the repository root is put on PYTHONPATH by
 # hand (the package and training/) and tests that need sglang skip themselves.
 #
@@ -14,7 +15,7 @@
 set -u
 OUT=${OUT:-gpu-check}
 DRY=${GPU_CHECK_DRY:-0}
-KERNEL_TESTS=${KERNEL_TESTS:-tests/test_gather_rotate.py tests/test_scattered_attention.py tests/test_refresh_attention.py tests/test_kernel_self_check.py}
+KERNEL_TESTS=${KERNEL_TESTS:-tests/test_gather_rotate.py tests/test_scattered_attention.py tests/test_refresh_attention.py tests/test_kernel_self_check.py tests/test_fp8_kernels.py}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "$DRY" = 1 ]; then
@@ -37,6 +38,7 @@ echo "pytest rc=$?" >>"$OUT/device.txt"
 timeout 150 python3 benchmarks/gpu_kernels.py $BENCH_ARGS --out-dir "$OUT" >"$OUT/gpu_kernels.log" 2>&1
 echo "gpu_kernels rc=$?" >>"$OUT/device.txt"
 grep "^refresh attention" "$OUT/gpu_kernels.log" >>"$OUT/device.txt"
+grep '"kernel": "fp8"' "$OUT/gpu_kernels.log" | cut -c1-400 >>"$OUT/device.txt"
 
 # The refresh path end to end over the stand-ins (plan, copy, selection, refresh
 # attention), each stage on the device against the CPU in float32.

@@ -15,6 +15,7 @@ from typing import Any
 from sgl_mmkv.config import ConfigError, MMKVConfig
 from sgl_mmkv.refresh.embedding_pass import EmbeddingSlot
 from sgl_mmkv.refresh.executor import RefreshExecutor
+from sgl_mmkv.refresh.kv_scales import read_scales
 from sgl_mmkv.refresh.rank_agreement import tp_position
 from sgl_mmkv.refresh.ranker import VisualRanker, extend_image_spans, fill_spans
 from sgl_mmkv.refresh.row_compaction import RowCompactor
@@ -28,11 +29,17 @@ logger = logging.getLogger(__name__)
 
 
 def assemble_runtime(
-    config: MMKVConfig, cache: Any, identity: str, embeds: tuple[int, str] = (0, "")
+    config: MMKVConfig,
+    cache: Any,
+    identity: str,
+    embeds: tuple[int, str] = (0, ""),
+    model: Any = None,
 ) -> MMKVRuntime:
     """This process's runtime for ``config`` over the pools of ``cache`` (the
     ``MMKVRadixCache`` SGLang just built); ``identity`` is the served model's and
-    ``embeds`` its vision encoder's output layout (the storage fingerprint's parts)."""
+    ``embeds`` its vision encoder's output layout (the storage fingerprint's parts);
+    ``model`` the loaded model, whose attention layers hold an fp8 pool's scales
+    (None: scales of 1)."""
     shrinking = config.compresses_at_decode or config.reuses_with_holes
     if cache.page_size != 1 and shrinking:  # check_server_args refuses it first
         raise ConfigError(
@@ -47,7 +54,7 @@ def assemble_runtime(
         allocator,
         kv_pool,
         compress,
-        _storage(config, kv_pool, identity, embeds),
+        _storage(config, kv_pool, identity, embeds, read_scales(model, kv_pool).digest()),
         embeddings_max_bytes=int(config.mm_embeddings_max_gib * GIB),
     )
     ranker, compactor = None, None
@@ -107,15 +114,18 @@ def prove_refresh_kernel(kv_pool) -> bool:
     return False
 
 
-def _storage(config: MMKVConfig, kv_pool, identity: str, embeds: tuple[int, str]):
-    """The L3 segment storage of ``--mm-segment-storage``, or None."""
+def _storage(config: MMKVConfig, kv_pool, identity: str, embeds: tuple[int, str], kv_scales: str):
+    """The L3 segment storage of ``--mm-segment-storage``, or None; ``kv_scales``: the
+    digest of an fp8 pool's scales (the fingerprint's)."""
     if not config.uses_segment_storage:
         return None
     from sgl_mmkv.segments.storage import KVFingerprint, StorageLimits, open_storage
 
     storage = open_storage(
         config.mm_segment_storage,
-        KVFingerprint.of_pool(kv_pool, identity, config.mm_segment_fill, embeds, tp_position()),
+        KVFingerprint.of_pool(
+            kv_pool, identity, config.mm_segment_fill, embeds, kv_scales, tp_position()
+        ),
         config.mm_segment_storage_dir or None,
         config.storage_extra_config(),
         StorageLimits.of_config(config),

@@ -255,7 +255,14 @@ def build_mmkv_radix_cache(ctx: TreeCacheBuildContext) -> MMKVRadixCache:
     cache = create_unified_radix_cache(ctx, cache_class=MMKVRadixCache)
     if config.uses_refresh:
         model = ctx.model_config
-        runtime = assemble_runtime(config, cache, model_identity(model), embedding_layout(model))
+        runner = getattr(ctx.tp_worker, "model_runner", None)
+        runtime = assemble_runtime(
+            config,
+            cache,
+            model_identity(model),
+            embedding_layout(model),
+            getattr(runner, "model", None),
+        )
         cache.attach(runtime)
         publish(runtime)
     return cache

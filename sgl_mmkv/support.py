@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE)",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE)",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL (interleaved M-RoPE, DeepStack)",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL MoE (interleaved M-RoPE, DeepStack, MoE MLP)",
     "LlavaForConditionalGeneration": "LLaVA, HF format (1-D RoPE)",
 }
 # Of those, the ones with M-RoPE: decode-time compression shortens a request's row
@@ -39,6 +40,7 @@ MROPE_ARCHITECTURES = frozenset(
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
     }
 )
 UNSCALED_ROPE_TYPES = (None, "default", "mrope")
@@ -47,9 +49,17 @@ UNSCALED_ROPE_TYPES = (None, "default", "mrope")
 # the model's own cache and checks it; tests/test_rotary_variants.py covers each).
 LINEAR_ROPE_TYPES = (*UNSCALED_ROPE_TYPES, "linear", "dynamic", "yarn", "llama3")
 # --kv-cache-dtype values whose pool holds plain floating-point KV (no scales). With
-# "auto" a checkpoint may still declare fp8 KV: check_model and the pool check in
-# assembly.py catch that.
+# "auto" a checkpoint may still declare fp8 KV: check_effective and the pool check in
+# assembly.py read what it declares and what SGLang built.
 PLAIN_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32")
+# fp8 KV with one K and one V scale per layer (SGLang's MHATokenToKVPool): segment
+# copies rotate it in float32 (the scale commutes with the rotation), refresh and
+# scoring attention descale it (kernels/kv_dtype.py). Block-scaled values (mxfp8,
+# nvfp4, fp4_mx_block16) keep per-token / per-block scales beside the pool: refused.
+FP8_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# Attention backends that store and read fp8 KV without the layer's scales: the
+# refresh path applies them, so the two would disagree on every scale but 1.
+UNSCALED_KV_BACKENDS = ("torch_native",)
 
 
 def check_sglang_version() -> None:
@@ -164,9 +174,17 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
             "positions a shrunk row lacks",
         ),
         (
-            args.kv_cache_dtype not in PLAIN_KV_DTYPES,
-            f"--kv-cache-dtype {args.kv_cache_dtype}: "
-            "segment copies and refresh attention read KV without its scales",
+            args.kv_cache_dtype not in (*PLAIN_KV_DTYPES, *FP8_KV_DTYPES),
+            f"--kv-cache-dtype {args.kv_cache_dtype}: its KV keeps per-token / per-block "
+            "scales, and segment copies and refresh attention apply one scale per layer "
+            f"(supported: {', '.join(FP8_KV_DTYPES)} and plain KV)",
+        ),
+        (
+            args.kv_cache_dtype in FP8_KV_DTYPES and _unscaled_backend(args),
+            f"--kv-cache-dtype {args.kv_cache_dtype} with the {_unscaled_backend(args)} "
+            "attention backend: it stores and reads fp8 KV without the layers' scales, "
+            "which the refresh path applies; use a backend that applies them (triton, "
+            "flashinfer, fa3; intel_amx on the CPU)",
         ),
         (
             bool(getattr(args, "is_embedding", False)),
@@ -186,6 +204,15 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
         *_tier_refusals(args),
     ]
     _refuse_first(mode, refusals)
+
+
+def _unscaled_backend(args: Any) -> str | None:
+    """The first attention backend of ``args`` that ignores fp8 KV scales, or None."""
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        name = getattr(args, field, None)
+        if name in UNSCALED_KV_BACKENDS:
+            return name
+    return None
 
 
 def _attention_backends(args: Any) -> str:
@@ -276,11 +303,12 @@ def check_effective(config: MMKVConfig, args: Any, hf_config: dict) -> None:
     ]
     _refuse_first(mode, refusals)
     declared = checkpoint_kv_quantization(hf_config)
-    if declared is not None and args.kv_cache_dtype == "auto":
+    if declared is not None and args.kv_cache_dtype == "auto" and _unscaled_backend(args):
         raise ConfigError(
             f"{mode} cannot run with the checkpoint's fp8 KV ({declared}, taken by "
-            "--kv-cache-dtype auto): segment copies and refresh attention do not apply "
-            "KV scales yet; pass --kv-cache-dtype bf16"
+            f"--kv-cache-dtype auto) on the {_unscaled_backend(args)} attention backend: "
+            "it ignores the checkpoint's KV scales, which the refresh path applies; use "
+            "a backend that applies them, or pass --kv-cache-dtype bf16"
         )
     check_model(mode, hf_config, config.compresses_at_decode)
     check_tp_heads(mode, args.tp_size, hf_config)
@@ -321,20 +349,29 @@ def checkpoint_kv_quantization(hf_config: dict) -> str | None:
 
 
 def check_pool_dtype(mode: str, kv_pool: Any) -> None:
-    """Refuse a KV pool SGLang made with other than plain floating-point KV, whatever
-    the flag said (a checkpoint's fp8 KV under ``auto``; ``kv_pool.dtype`` is the
-    pool's KV dtype, its buffers may store it as bytes)."""
+    """Refuse a KV pool SGLang made with other than plain floating-point KV or fp8 KV
+    with one scale per layer, whatever the flag said (``kv_pool.dtype`` is the pool's
+    KV dtype; its buffers may store fp8 as bytes, ``get_key_buffer`` views them as
+    fp8). A pool with scale buffers beside the KV (``k_scale_buffer``: mxfp8, fp4)
+    or a KV quantization method (``is_quantized_kv_cache``) keeps per-token /
+    per-block scales, which the refresh path does not apply."""
     import torch
 
     plain = (torch.bfloat16, torch.float16, torch.float32)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
     dtypes = {getattr(kv_pool, "dtype", None), kv_pool.get_key_buffer(0).dtype}
     dtypes.discard(None)
-    odd = sorted(str(d) for d in dtypes if d not in plain)
-    if odd:
+    odd = sorted(str(d) for d in dtypes if d not in (*plain, *fp8))
+    blocks = getattr(kv_pool, "k_scale_buffer", None) is not None or bool(
+        getattr(kv_pool, "is_quantized_kv_cache", False)
+    )
+    if odd or blocks:
+        named = " / ".join(odd or sorted(str(d) for d in dtypes))
         raise ConfigError(
-            f"{mode} cannot run with a {' / '.join(odd)} KV pool (SGLang chose it from "
-            "--kv-cache-dtype or the checkpoint's KV quantization): segment copies and "
-            "refresh attention do not apply KV scales yet; pass --kv-cache-dtype bf16"
+            f"{mode} cannot run with a {named} KV pool ({type(kv_pool).__name__}, from "
+            "--kv-cache-dtype or the checkpoint's KV quantization) that keeps per-token / "
+            "per-block scales: segment copies and refresh attention apply one scale per "
+            "layer (fp8_e4m3, fp8_e5m2); pass one of those or --kv-cache-dtype bf16"
         )
 
 

@@ -62,6 +62,12 @@ def tiny_qwen3_vl(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe(model_dir) -> Path:
+    """Tiny Qwen3-VL MoE (as Qwen3-VL-30B-A3B): Qwen3-VL with a routed-expert MLP."""
+    return _build(model_dir, "qwen3_vl_moe", "tiny-qwen3-vl-moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_llava(model_dir) -> Path:
     """Tiny HF-format LLaVA (Pixtral vision, Qwen2 text, 1-D RoPE). A name that matches
     none of SGLang's chat-template rules, so the checkpoint's own template is used."""

@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "qwen2_vl": ("tiny_vlm", 1e-3, 0),
     "qwen2_5_vl": ("tiny_qwen25_vl", 1e-3, 0),
     "qwen3_vl": ("tiny_qwen3_vl", 1e-3, 0),
+    "qwen3_vl_moe": ("tiny_qwen3_vl_moe", 1e-3, 0),
     # observed up to 8e-3 on one probe, the others exact (not explained yet)
     "llava": ("tiny_llava", 2e-2, 6),
 }

@@ -438,10 +438,10 @@ SLOTS = 96
 class Pool:
     """SGLang's KV pool contract: one ``(slots, H_kv, d)`` K and V buffer per layer."""
 
-    def __init__(self, layers: int, seed: int = 0) -> None:
+    def __init__(self, layers: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.k = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(layers)]
-        self.v = [torch.randn(SLOTS, H_KV, D, generator=g) for _ in range(layers)]
+        self.k = [torch.randn(SLOTS, H_KV, D, generator=g).to(dtype) for _ in range(layers)]
+        self.v = [torch.randn(SLOTS, H_KV, D, generator=g).to(dtype) for _ in range(layers)]
 
     @property
     def layer_num(self) -> int:
@@ -454,7 +454,7 @@ class Pool:
         return self.v[layer]
 
     def on_device(self) -> Pool:
-        pool = Pool(0)
+        pool = Pool(0, dtype=self.k[0].dtype)
         pool.k, pool.v = on_device(self.k), on_device(self.v)
         return pool
 
@@ -524,8 +524,8 @@ def batch(device: bool):
     return fb
 
 
-def _copy(layers: int, device: bool):
-    pool, table, plan = Pool(layers), request_table(), reuse_plan()
+def _copy(layers: int, device: bool, dtype: torch.dtype = torch.float32):
+    pool, table, plan = Pool(layers, dtype=dtype), request_table(), reuse_plan()
     copier = SegmentCopier()
     copier._rates = rope_inv_freq(D, 1e4)  # as rope_rates_of: on the host
     if not device:
@@ -537,22 +537,25 @@ def _copy(layers: int, device: bool):
     return moved, audit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("poison", [False, True])
 def test_the_segment_copy_runs_on_the_pool_device_and_moves_once(
-    poison, reference_kernels, monkeypatch
+    poison, dtype, reference_kernels, monkeypatch
 ):
+    """fp8: the copy writes the pool's bytes through uint8 views, on its device."""
     if poison:
         monkeypatch.setenv("SGL_MMKV_POISON_FREED", "1")
-    expected, _ = _copy(3, device=False)
-    before = Pool(3)
-    assert torch.equal(expected.v[2][16:24], before.v[2][60:68])  # row slots of [6, 14)
-    assert not torch.equal(expected.k[2][16:24], before.k[2][60:68])  # rotated by 6
-    pool, audit = _copy(3, device=True)
+    expected, _ = _copy(3, device=False, dtype=dtype)
+    before = Pool(3, dtype=dtype)
+    bits = (lambda t: t.view(torch.uint8)) if dtype != torch.float32 else (lambda t: t)
+    assert torch.equal(bits(expected.v[2][16:24]), bits(before.v[2][60:68]))  # row [6, 14)
+    assert not torch.equal(bits(expected.k[2][16:24]), bits(before.k[2][60:68]))  # rotated
+    pool, audit = _copy(3, device=True, dtype=dtype)
     for layer in range(3):
         exact = {"rtol": 0, "atol": 0, "equal_nan": True}
-        torch.testing.assert_close(host(pool.k[layer]), expected.k[layer], **exact)
-        torch.testing.assert_close(host(pool.v[layer]), expected.v[layer], **exact)
-    _, more = _copy(6, device=True)
+        torch.testing.assert_close(host(pool.k[layer]).float(), expected.k[layer].float(), **exact)
+        torch.testing.assert_close(host(pool.v[layer]).float(), expected.v[layer].float(), **exact)
+    _, more = _copy(6, device=True, dtype=dtype)
     assert audit.syncs == more.syncs == [] and audit.uploads == more.uploads
 
 
@@ -573,14 +576,17 @@ def test_gather_rotate_runs_on_the_device_without_a_sync(reference_kernels):
 # -- row reads: row KV, row views ---------------------------------------------------------
 
 
-def test_a_row_is_read_on_the_pool_device_without_a_sync():
-    pool, table = Pool(3), request_table()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_a_row_is_read_on_the_pool_device_without_a_sync(dtype):
+    """fp8: the row comes back dequantized (float32), on the pool's device."""
+    pool, table = Pool(3, dtype=dtype), request_table()
     keys, values = row_kv(runner(pool, table), batch(False), 1)
     with DeviceAudit() as audit:
         model_runner = runner(pool.on_device(), on_device(table))
         device_keys, device_values = row_kv(model_runner, batch(True), 1)
         some = row_keys(model_runner, batch(True), 1, layers=[2, 0])
     assert_on_device(*device_keys, *device_values, *some)
+    assert {t.dtype for t in keys + values} == {torch.float32}  # values, not fp8 bytes
     pairs = zip(device_keys + device_values, keys + values, strict=True)
     assert all(torch.equal(host(a), b) for a, b in pairs)
     assert [host(k).tolist() for k in some] == [keys[2].tolist(), keys[0].tolist()]

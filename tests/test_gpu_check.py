@@ -47,13 +47,18 @@ def test_gpu_check_runs_dry_on_the_cpu_without_sglang(tmp_path):
     assert set(stages) == {"plan", "copy", "selection", "attention_triton", "attention_sdpa"}
     assert all(stage["ok"] for stage in stages.values())
     assert stages["selection"]["selected"] > 0
+    fp8_stages = path["stages"]["torch.float8_e4m3fn"]  # per-tensor scales 0.37, 2.5
+    assert set(fp8_stages) == set(stages) and all(s["ok"] for s in fp8_stages.values())
     log = (out / "pytest.log").read_text()
     assert " passed" in log and "1 skipped" in log  # the backend tests need sglang
 
     record = json.loads((out / "gpu_kernels.json").read_text())
     assert record["dry_run"] is True and record["failures"] == []
     kinds = [entry["kernel"] for entry in record["results"]]
-    assert kinds == ["refresh_attention", "refresh_attention", "rows", "gather_rotate_kv"]
+    assert (
+        kinds
+        == ["refresh_attention", "refresh_attention", "rows", "gather_rotate_kv"] + ["fp8"] * 2
+    )
     single, batch = record["results"][0], record["results"][1]
     assert (single["requests"], batch["requests"]) == (1, 4)
     assert single["queries_per_request"] == int(0.1 * single["image_tokens"]) + 8
@@ -65,4 +70,10 @@ def test_gpu_check_runs_dry_on_the_cpu_without_sglang(tmp_path):
     target = record["target"]["fp32"]
     assert target["at_most"] == 0.15 and target["ratio"] == single["ratio"]
     assert record["results"][3]["v_exact"] is True
+    fp8 = record["results"][4:]
+    assert [entry["dtype"] for entry in fp8] == ["fp8_e4m3", "fp8_e5m2"]
+    for entry in fp8:
+        assert entry["max_abs_err"] < 1e-4 and entry["sdpa_max_abs_err"] < 1e-4
+        assert 0 < entry["gather_k_max_rel_err"] <= entry["gather_k_bound_rel"]
+        assert entry["gather_v_exact"] is True
     assert "refresh attention fp32:" in device

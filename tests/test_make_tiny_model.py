@@ -129,3 +129,35 @@ def test_qwen3_vl_loads_and_runs_with_its_processor(tiny_qwen3_vl):
         logits = model(**inputs).logits
     assert logits.shape == (1, inputs["input_ids"].shape[1], 1024)
     assert torch.isfinite(logits).all()
+
+
+def test_qwen3_vl_moe_writes_the_published_expert_layout(tiny_qwen3_vl_moe):
+    """Fused experts on disk as the published Qwen3-VL MoE checkpoints hold them (the
+    layout SGLang's loader transposes), and transformers reads back the built weights."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from sgl_mmkv.testing.make_tiny_model import TinyModelSpec, build_untrained
+
+    config = json.loads((tiny_qwen3_vl_moe / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
+    text = config["text_config"]
+    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"]) == (
+        4,
+        2,
+        48,
+    )
+    weights = load_file(tiny_qwen3_vl_moe / "model.safetensors")
+    prefix = "model.language_model.layers.1.mlp."
+    assert weights[prefix + "experts.gate_up_proj"].shape == (4, 128, 96)  # (E, hidden, 2 I)
+    assert weights[prefix + "experts.down_proj"].shape == (4, 48, 128)  # (E, I, hidden)
+    assert weights[prefix + "gate.weight"].shape == (4, 128)
+    built, _ = build_untrained("qwen3_vl_moe", TinyModelSpec(), seed=0)
+    loaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_qwen3_vl_moe)
+    for layer in range(2):
+        want = built.model.language_model.layers[layer].mlp.experts
+        got = loaded.model.language_model.layers[layer].mlp.experts
+        assert torch.equal(want.gate_up_proj, got.gate_up_proj)
+        assert torch.equal(want.down_proj, got.down_proj)

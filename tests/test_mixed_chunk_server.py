@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-import requests
 
+from sgl_mmkv.testing.chat import greedy_chat
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -34,26 +34,7 @@ LONG = "Tell a long story about shapes and colours. " * 4
 
 
 def _chat(server, messages: list[dict], max_tokens: int) -> dict:
-    body = {
-        "model": "default",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": True,
-        "top_logprobs": 5,
-        "return_meta_info": True,
-        "ignore_eos": True,
-    }
-    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    first = choice["logprobs"]["content"][0]
-    facts = (choice.get("meta_info") or {}).get("sgl_mmkv") or [{}]
-    return {
-        "text": choice["message"]["content"],
-        "top": {t["token"]: t["logprob"] for t in first["top_logprobs"]},
-        "reused": sum(f.get("reused_tokens", 0) for f in facts),
-    }
+    return greedy_chat(server.base_url, messages, max_tokens, timeout_s=300, ignore_eos=True)
 
 
 def _image_turn(system: str) -> list[dict]:

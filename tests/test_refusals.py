@@ -29,6 +29,7 @@ from sgl_mmkv.support import (
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, stock_cpu_env
 
 GRAPHS = ["--attention-backend", "intel_amx"]
+TORCH_NATIVE = ["--attention-backend", "torch_native"]  # ignores them
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
 # (case, extra flags, what the one-line reason must name)
 FLAG_CASES = [
@@ -44,7 +45,16 @@ FLAG_CASES = [
     ("speculative", ["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     ("lora", ["--enable-lora"], "--enable-lora"),
     ("lora paths", ["--lora-paths", "a=/nonexistent"], "--lora-paths"),
-    ("fp8 kv", ["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+    (
+        "fp8 kv on torch_native",  # the launcher's CPU default, which ignores KV scales
+        ["--kv-cache-dtype", "fp8_e4m3"],
+        "--kv-cache-dtype fp8_e4m3 with the torch_native attention backend",
+    ),
+    (
+        "block-scaled kv",
+        ["--kv-cache-dtype", "mxfp8"],
+        "--kv-cache-dtype mxfp8: its KV keeps per-token / per-block scales",
+    ),
     ("embedding server", ["--is-embedding"], "--is-embedding: an embedding pooled over reused"),
     # SGLang keeps CUDA graphs on the CPU with a backend other than torch_native
     ("prefill graphs", GRAPHS + ["--cuda-graph-backend-prefill", "full"], "prefill CUDA graphs"),
@@ -492,46 +502,76 @@ FP8_DECLARATIONS = [
 
 
 @pytest.mark.parametrize("declared", FP8_DECLARATIONS, ids=["compressed-tensors", "modelopt"])
-def test_a_checkpoint_that_declares_fp8_kv_is_refused_under_auto(
+def test_a_checkpoint_that_declares_fp8_kv_is_refused_under_auto_on_torch_native(
     own_environment, tiny_vlm, declared
 ):
-    args, hf_config = _effective(tiny_vlm)
+    """A checkpoint's per-tensor fp8 KV (taken by ``auto``) is served with a backend
+    that applies its scales, and refused on torch_native, which ignores them."""
+    args, hf_config = _effective(tiny_vlm, *TORCH_NATIVE)
     quantized = {**hf_config, "quantization_config": {"quant_method": "x", **declared}}
     with pytest.raises(ConfigError) as refusal:
         check_effective(MMKVConfig(mm_reuse="conduit"), args, quantized)
     assert "the checkpoint's fp8 KV" in str(refusal.value)
+    assert "on the torch_native attention backend" in str(refusal.value)
     assert "pass --kv-cache-dtype bf16" in str(refusal.value)
-    args, _ = _effective(tiny_vlm, "--kv-cache-dtype", "bf16")
+    args, _ = _effective(tiny_vlm, "--kv-cache-dtype", "bf16", *TORCH_NATIVE)
     check_effective(MMKVConfig(mm_reuse="conduit"), args, quantized)  # bf16 asked: plain
+    scaled = _Overridden(args, attention_backend="triton")  # a CUDA resolution
+    check_effective(MMKVConfig(mm_reuse="conduit"), scaled, quantized)  # scales applied
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_per_tensor_fp8_kv_is_accepted_with_a_backend_that_applies_its_scales(
+    own_environment, tiny_vlm, dtype
+):
+    """SGLang falls back to torch_native on a CPU without AMX, so the scale-aware
+    backends are set on its resolved args as a CUDA resolution would."""
+    args, hf_config = _effective(tiny_vlm, "--kv-cache-dtype", dtype, *TORCH_NATIVE)
+    for backend in ("triton", "flashinfer", "fa3", "intel_amx"):
+        scaled = _Overridden(args, attention_backend=backend)
+        check_effective(MMKVConfig(mm_reuse="conduit"), scaled, hf_config)
+    with pytest.raises(ConfigError, match=f"--kv-cache-dtype {dtype} with the torch_native"):
+        check_effective(MMKVConfig(mm_reuse="conduit"), args, hf_config)
+    check_effective(MMKVConfig(mm_reuse="exact"), args, hf_config)  # no refresh: stock
 
 
 class _Pool:
-    def __init__(self, dtype, stored):
+    def __init__(self, dtype, stored, block_scales: bool = False):
         self.dtype = dtype
         self._k = torch.zeros(4, 2, 8, dtype=stored)
+        # MXFP8's / FP4's pools keep per-token / per-block scales beside the KV
+        self.k_scale_buffer = [torch.ones(4, 2, 1)] if block_scales else None
 
     def get_key_buffer(self, layer):
         return self._k
 
 
 @pytest.mark.parametrize(
-    ("dtype", "stored", "refused"),
+    ("dtype", "stored", "block_scales", "refused"),
     [
-        (torch.bfloat16, torch.bfloat16, False),
-        (torch.float16, torch.float16, False),
-        (torch.float8_e4m3fn, torch.uint8, True),  # SGLang stores fp8 KV as bytes
-        (torch.float8_e5m2, torch.float8_e5m2, True),
+        (torch.bfloat16, torch.bfloat16, False, None),
+        (torch.float16, torch.float16, False, None),
+        # SGLang stores fp8 KV as bytes and reads it through an fp8 view: per-tensor
+        # scales, which the refresh path applies
+        (torch.float8_e4m3fn, torch.float8_e4m3fn, False, None),
+        (torch.float8_e5m2, torch.float8_e5m2, False, None),
+        (torch.float8_e4m3fn, torch.float8_e4m3fn, True, "torch.float8_e4m3fn"),
+        (torch.float8_e4m3fn, torch.uint8, False, "torch.uint8"),  # bytes read as numbers
+        (torch.int8, torch.int8, False, "torch.int8"),
     ],
 )
-def test_the_pool_sglang_built_is_checked_not_the_flag(dtype, stored, refused):
+def test_the_pool_sglang_built_is_checked_not_the_flag(dtype, stored, block_scales, refused):
     from sgl_mmkv.support import check_pool_dtype
 
-    if not refused:
-        check_pool_dtype("--mm-reuse conduit", _Pool(dtype, stored))
+    pool = _Pool(dtype, stored, block_scales)
+    if refused is None:
+        check_pool_dtype("--mm-reuse conduit", pool)
         return
     with pytest.raises(ConfigError, match="KV pool") as refusal:
-        check_pool_dtype("--mm-reuse conduit", _Pool(dtype, stored))
-    assert "float8" in str(refusal.value) and "\n" not in str(refusal.value)
+        check_pool_dtype("--mm-reuse conduit", pool)
+    message = str(refusal.value)
+    assert f"a {refused} KV pool" in message and "\n" not in message
+    assert "per-token / per-block scales" in message
 
 
 class _Overridden:

@@ -38,6 +38,7 @@ from sgl_mmkv.segments.entry_format import (
     encode_header,
     key_from_fields,
 )
+from sgl_mmkv.testing.chat import greedy_chat
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -87,25 +88,8 @@ def _mmkv_args(storage_dir, *extra: str) -> list[str]:
 
 
 def _chat(server, system: str, image, **extra) -> dict:
-    body = {
-        "model": "default",
-        "messages": [{"role": "system", "content": system}, user_message("Describe.", [image])],
-        "max_tokens": 4,
-        "temperature": 0,
-        "logprobs": True,
-        "top_logprobs": 5,
-        "return_meta_info": True,
-        **extra,
-    }
-    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    first = choice["logprobs"]["content"][0]
-    return {
-        "text": choice["message"]["content"],
-        "top": {t["token"]: t["logprob"] for t in first["top_logprobs"]},
-        "reused": choice["meta_info"].get("sgl_mmkv", [{}])[0].get("reused_tokens", 0),
-    }
+    messages = [{"role": "system", "content": system}, user_message("Describe.", [image])]
+    return greedy_chat(server.base_url, messages, **extra)
 
 
 def _assert_same_answer(got: dict, want: dict) -> None:

@@ -18,6 +18,7 @@ import time
 import pytest
 import requests
 
+from sgl_mmkv.testing.chat import greedy_chat
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -41,25 +42,8 @@ def _mmkv_args(storage) -> list[str]:
 
 
 def _chat(server, system: str, images: list) -> dict:
-    body = {
-        "model": "default",
-        "messages": [{"role": "system", "content": system}, user_message("Describe.", images)],
-        "max_tokens": 4,
-        "temperature": 0,
-        "logprobs": True,
-        "top_logprobs": 5,
-        "return_meta_info": True,
-    }
-    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    first = choice["logprobs"]["content"][0]
-    facts = (choice.get("meta_info") or {}).get("sgl_mmkv") or [{}]
-    return {
-        "text": choice["message"]["content"],
-        "top": {t["token"]: t["logprob"] for t in first["top_logprobs"]},
-        "reused": facts[0].get("reused_tokens", 0),
-    }
+    messages = [{"role": "system", "content": system}, user_message("Describe.", images)]
+    return greedy_chat(server.base_url, messages)
 
 
 def _wait_writes(server, writes: int, timeout_s: float = 60.0) -> dict:

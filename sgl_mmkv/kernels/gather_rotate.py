@@ -8,6 +8,10 @@ as a whole shifts its t, h and w components by the same ``delta``, so every
 frequency rotates by ``delta * inv_freq`` exactly as in 1-D RoPE
 (``tests/test_gather_rotate.py`` checks this against SGLang's MRotaryEmbedding).
 
+fp8 KV (SGLang's per-tensor-scaled pools): the scale commutes with the rotation,
+so K is upcast, rotated in float32 and cast back to the buffer's fp8 dtype
+(saturating, :func:`~sgl_mmkv.kernels.kv_dtype.to_kv_dtype`); no scale is read.
+
 ``gather_rotate_kv`` dispatches to the Triton kernel on CUDA (or under
 ``TRITON_INTERPRET=1``) and to ``gather_rotate_kv_reference`` otherwise.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from sgl_mmkv.kernels.kv_dtype import put_rows, to_kv_dtype
 
 
 def rope_inv_freq(rotary_dim: int, base: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -33,7 +39,8 @@ def rotate_neox(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
         delta: ``(n,)`` integer position shifts.
         inv_freq: ``(rotary_dim // 2,)`` float32.
     Returns:
-        ``(n, heads, head_dim)`` in ``k``'s dtype, computed in float32.
+        ``(n, heads, head_dim)`` in ``k``'s dtype, computed in float32 (fp8:
+        saturated to the format's range).
     """
     half = inv_freq.numel()
     angle = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # (n, half)
@@ -41,7 +48,7 @@ def rotate_neox(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
     x = k.to(torch.float32)
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-    return out.to(k.dtype)
+    return to_kv_dtype(out, k.dtype)
 
 
 def gather_rotate_kv_reference(
@@ -55,13 +62,14 @@ def gather_rotate_kv_reference(
     """``k[dst] = R(delta) k[src]``, ``v[dst] = v[src]``, in place, for one layer.
 
     Args:
-        k_buffer, v_buffer: ``(slots, kv_heads, head_dim)`` one layer of the KV pool.
+        k_buffer, v_buffer: ``(slots, kv_heads, head_dim)`` one layer of the KV pool
+            (plain float, or fp8 with a per-tensor scale).
         src_loc, dst_loc: ``(n,)`` int64 slots; ``dst`` must not overlap ``src``.
         delta: ``(n,)`` int64 position shifts (new - old).
         inv_freq: ``(rotary_dim // 2,)`` float32.
     """
-    k_buffer[dst_loc] = rotate_neox(k_buffer[src_loc], delta, inv_freq)
-    v_buffer[dst_loc] = v_buffer[src_loc]
+    put_rows(k_buffer, dst_loc, rotate_neox(k_buffer[src_loc], delta, inv_freq))
+    put_rows(v_buffer, dst_loc, v_buffer[src_loc])
 
 
 def _triton_enabled(tensor: torch.Tensor) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_mmkv.kernels.kv_dtype import dequantize
+
 CHUNK_ELEMENTS = 1 << 25  # scores per chunk of queries in attention_mass_reference: 128 MiB fp32
 
 
@@ -85,20 +87,25 @@ def scattered_attention_reference(
     row_slots: torch.Tensor,
     query_positions: torch.Tensor,
     sm_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal-by-position attention of scattered queries over one request row.
 
     Args:
         q: ``(n_q, H_q, d)`` queries, RoPE applied.
-        k_buffer, v_buffer: ``(slots, H_kv, d)`` one layer of the KV pool.
+        k_buffer, v_buffer: ``(slots, H_kv, d)`` one layer of the KV pool; fp8 ones
+            are dequantized on read (``stored * k_scale``, ``stored * v_scale``).
         row_slots: ``(n,)`` int64: the slot of row position ``j`` is ``row_slots[j]``.
         query_positions: ``(n_q,)`` row position of each query; query ``i`` sees
             keys ``j <= query_positions[i]``.
         sm_scale: softmax scale, default ``1 / sqrt(d)``.
+        k_scale, v_scale: the layer's per-tensor KV scales (fp8 buffers only).
     Returns:
         ``(n_q, H_q, d)`` in ``q``'s dtype (computed in float32).
     """
     h_q, h_kv = q.shape[1], k_buffer.shape[1]
-    probs = causal_probs(q, k_buffer[row_slots], query_positions, scale=sm_scale)
-    v = v_buffer[row_slots].float().repeat_interleave(h_q // h_kv, dim=1)
+    keys = dequantize(k_buffer[row_slots], k_scale)
+    probs = causal_probs(q, keys, query_positions, scale=sm_scale)
+    v = dequantize(v_buffer[row_slots], v_scale).float().repeat_interleave(h_q // h_kv, dim=1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

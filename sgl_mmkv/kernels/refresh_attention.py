@@ -23,6 +23,10 @@ or with ``SGL_MMKV_REFRESH_ATTENTION=sdpa``, the per-request SDPA of
 :func:`~sgl_mmkv.kernels.scattered_attention.scattered_attention_sdpa` (the CPU
 path: a whole row runs one causal SDPA, bit for bit SGLang's ``torch_native``;
 other query sets one SDPA with an ``(n_q, n)`` causal-by-position mask).
+
+fp8 KV with per-tensor scales (SGLang's fp8 pools): both kernels read the stored
+fp8 values, fold ``k_scale`` into the softmax scale and multiply the output by
+``v_scale`` (:mod:`sgl_mmkv.kernels.kv_dtype`).
 """
 
 from __future__ import annotations
@@ -150,11 +154,14 @@ def refresh_attention_sdpa(
     v_buffer: torch.Tensor,
     plan: RefreshAttentionPlan,
     sm_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Per-request SDPA (the reference path; host integers only, from the plan).
 
     Args:
         q: ``(N_q, H_q, d)``; k_buffer, v_buffer: ``(slots, H_kv, d / d_v)``.
+        k_scale, v_scale: per-tensor scales of fp8 KV (1.0 for plain KV).
     Returns:
         ``(N_q, H_q, d_v)`` in ``q``'s dtype.
     """
@@ -165,7 +172,15 @@ def refresh_attention_sdpa(
             continue
         slots = plan.kv_indices[plan.kv_indptr[r] : plan.kv_indptr[r + 1]]
         out[q0:q1] = scattered_attention_sdpa(
-            q[q0:q1], k_buffer, v_buffer, slots, plan.q_positions[q0:q1], sm_scale, whole_row=whole
+            q[q0:q1],
+            k_buffer,
+            v_buffer,
+            slots,
+            plan.q_positions[q0:q1],
+            sm_scale,
+            whole_row=whole,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return out
 
@@ -176,15 +191,19 @@ def refresh_attention(
     v_buffer: torch.Tensor,
     plan: RefreshAttentionPlan,
     sm_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal-by-position attention of every request's queries over its row.
 
     Args:
         q: ``(N_q, H_q, d)`` packed queries, RoPE applied (``N_q = plan.num_queries``).
         k_buffer, v_buffer: ``(slots, H_kv, d)`` / ``(slots, H_kv, d_v)``, one layer
-            of the KV pool; ``H_q`` a multiple of ``H_kv``.
+            of the KV pool; ``H_q`` a multiple of ``H_kv``. Plain float, or fp8
+            holding ``value / scale``.
         plan: from :func:`plan_refresh_attention`.
         sm_scale: softmax scale, default ``1 / sqrt(d)``.
+        k_scale, v_scale: the layer's per-tensor KV scales (fp8; 1.0 for plain KV).
     Returns:
         ``(N_q, H_q, d_v)`` in ``q``'s dtype.
     """
@@ -193,7 +212,9 @@ def refresh_attention(
     if q.shape[0] != plan.num_queries:
         raise ValueError(f"{q.shape[0]} queries for a plan of {plan.num_queries}")
     if plan.kernel == "sdpa":
-        return refresh_attention_sdpa(q, k_buffer, v_buffer, plan, sm_scale)
+        return refresh_attention_sdpa(q, k_buffer, v_buffer, plan, sm_scale, k_scale, v_scale)
     from sgl_mmkv.kernels.refresh_attention_triton import refresh_attention_triton
 
-    return refresh_attention_triton(q, k_buffer, v_buffer, plan, sm_scale)
+    return refresh_attention_triton(
+        q, k_buffer, v_buffer, plan, sm_scale, k_scale=k_scale, v_scale=v_scale
+    )

@@ -6,7 +6,9 @@ heaviest first). The program loads its queries once, then walks its request's
 compacted row in ``BLOCK_N`` key tiles gathered through ``kv_indices`` (paged KV,
 read in place), scores them with ``tl.dot`` (tensor cores), masks causally by
 position (key ``j`` visible to query ``i`` iff ``j <= q_positions[i]``), and keeps
-an online softmax in float32. The walk stops at the block's last visible key, so a
+an online softmax in float32 (fp8 KV: the tiles are upcast to the queries'
+dtype, ``k_scale`` is folded into the softmax scale and ``v_scale`` applied to
+the output once). The walk stops at the block's last visible key, so a
 block of early queries reads only the start of the row. GQA: query head ``h``
 reads KV head ``h // (H_q / H_kv)``.
 
@@ -48,6 +50,7 @@ def _refresh_attention_kernel(
     stride_on,
     stride_oh,
     qk_scale,
+    v_scale,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -101,7 +104,7 @@ def _refresh_attention_kernel(
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(
         o_ptr + rows.to(tl.int64)[:, None] * stride_on + h * stride_oh + vdims[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -119,13 +122,16 @@ def refresh_attention_triton(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Contract of :func:`~sgl_mmkv.kernels.refresh_attention.refresh_attention`.
 
     Args:
         q: ``(N_q, H_q, d)``, last dim contiguous.
         k_buffer, v_buffer: ``(slots, H_kv, d)`` / ``(slots, H_kv, d_v)``, last dim
-            contiguous; read as ``q``'s dtype.
+            contiguous; read as ``q``'s dtype (fp8 KV: upcast, ``k_scale`` folded
+            into the softmax scale, the output times ``v_scale``).
         plan: its ``blocks`` were cut at ``plan.block_m`` queries.
         block_n, num_warps, num_stages: launch tuning (ignored by the interpreter).
     Returns:
@@ -158,7 +164,8 @@ def refresh_attention_triton(
         v_buffer.stride(1),
         out.stride(0),
         out.stride(1),
-        scale * LOG2_E,
+        scale * k_scale * LOG2_E,
+        v_scale,
         GROUP=h_q // k_buffer.shape[1],
         BLOCK_M=plan.block_m,
         BLOCK_N=block_n,

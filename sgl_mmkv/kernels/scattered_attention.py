@@ -19,6 +19,9 @@ against 2.8 s).
 scorers' attention-mass reduction to its Triton kernel
 (``scattered_attention_triton.py``); it measured 2.5-4x slower than the torch
 reduction on an H200, so it is off by default.
+
+fp8 KV (per-tensor scales): ``k_scale`` is folded into the softmax scale and the
+output multiplied by ``v_scale``; with scales of 1 the call is the plain one.
 """
 
 from __future__ import annotations
@@ -44,11 +47,16 @@ def scattered_attention_sdpa(
     query_positions: torch.Tensor,
     sm_scale: float | None = None,
     whole_row: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as :func:`~sgl_mmkv.kernels.reference.scattered_attention_reference`,
     through SDPA. ``whole_row``: whether the queries are the whole row in order,
-    when the caller knows (None: compared here, one host read)."""
+    when the caller knows (None: compared here, one host read). ``k_scale``,
+    ``v_scale``: the layer's per-tensor scales of fp8 KV (1.0 for plain KV)."""
     n_q, h_q, d = q.shape
+    if k_scale != 1.0:
+        sm_scale = (d**-0.5 if sm_scale is None else sm_scale) * k_scale
     n = row_slots.numel()
     gqa = h_q != k_buffer.shape[1]
     k = k_buffer[row_slots].transpose(0, 1).to(q.dtype)[None]
@@ -59,7 +67,7 @@ def scattered_attention_sdpa(
         whole_row = n_q == n and torch.equal(positions, torch.arange(n, device=positions.device))
     if whole_row:
         out = sdpa(q.transpose(0, 1)[None], k, v, is_causal=True, scale=sm_scale, enable_gqa=gqa)
-        return out[0].transpose(0, 1)
+        return _descaled(out[0].transpose(0, 1), v_scale)
     visible = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]
     out = sdpa(
         q.transpose(0, 1)[None],
@@ -69,7 +77,12 @@ def scattered_attention_sdpa(
         scale=sm_scale,
         enable_gqa=gqa,
     )[0]
-    return out.transpose(0, 1)
+    return _descaled(out.transpose(0, 1), v_scale)
+
+
+def _descaled(out: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """``out`` ``(n_q, H_q, d_v)`` of attention over stored V, as values."""
+    return out if v_scale == 1.0 else out * v_scale
 
 
 def scattered_attention(
@@ -79,6 +92,8 @@ def scattered_attention(
     row_slots: torch.Tensor,
     query_positions: torch.Tensor,
     sm_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as :func:`~sgl_mmkv.kernels.reference.scattered_attention_reference`,
     checked, through SDPA."""
@@ -86,4 +101,6 @@ def scattered_attention(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_buffer.shape[1]}")
     if int(query_positions.max()) >= row_slots.numel() or int(query_positions.min()) < 0:
         raise ValueError("a query position lies outside the row")
-    return scattered_attention_sdpa(q, k_buffer, v_buffer, row_slots, query_positions, sm_scale)
+    return scattered_attention_sdpa(
+        q, k_buffer, v_buffer, row_slots, query_positions, sm_scale, None, k_scale, v_scale
+    )

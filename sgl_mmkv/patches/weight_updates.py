@@ -48,6 +48,7 @@ def forget(manager: Any, from_disk: bool) -> None:
 
     from sglang.srt.runtime_context import get_serving
 
+    from sgl_mmkv.refresh.kv_scales import forget_scales, scales_of
     from sgl_mmkv.refresh.runtime import current
     from sgl_mmkv.segments.fingerprint import updated_identity
 
@@ -56,7 +57,14 @@ def forget(manager: Any, from_disk: bool) -> None:
     version = getattr(get_serving(), "weight_version", None)
     identity = updated_identity(getattr(runner, "model_config", None), from_disk, version)
     storage = store.storage
-    store.forget_weights(None if storage is None else replace(storage.fingerprint, model=identity))
+    scales = storage.fingerprint.kv_scales if storage is not None else ""
+    if getattr(runner, "model", None) is not None and hasattr(runner, "token_to_kv_pool"):
+        forget_scales(runner.model)  # an fp8 checkpoint's new scales
+        scales = scales_of(runner).digest()
+    fingerprint = None
+    if storage is not None:
+        fingerprint = replace(storage.fingerprint, model=identity, kv_scales=scales)
+    store.forget_weights(fingerprint)
     _clear_sglang_embedding_cache()
     logger.info("sgl_mmkv: weights updated: segments dropped, storage identity %s", identity)
 

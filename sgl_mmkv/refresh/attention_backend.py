@@ -19,11 +19,17 @@ the queries a scorer needs, per layer, or, with the capture's
 :class:`~sgl_mmkv.refresh.layer_statistics.LayerStatistics`, reduces them with the
 row, read through the plan's ``kv_indices``, to the scorer's per-layer statistic
 right after the layer's attention, and keeps only that.
+
+fp8 KV (SGLang's per-tensor-scaled pools): both backends write K and V through the
+pool's ``set_kv_buffer`` with the layer's scales (stored as ``value / scale``, as
+SGLang's scale-aware backends store them), and the refresh attention reads them
+back descaled (:func:`~sgl_mmkv.refresh.kv_scales.layer_scales`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -34,8 +40,26 @@ from sgl_mmkv.kernels.refresh_attention import (
     plan_refresh_attention,
     refresh_attention,
 )
+from sgl_mmkv.refresh.kv_scales import layer_scales
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics
 from sgl_mmkv.refresh.row_view import RowView
+
+
+def save_kv(
+    pool: Any,
+    layer: Any,
+    loc: KVWriteLoc,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scales: tuple[float, float],
+) -> None:
+    """``k`` / ``v`` (``(N, H_kv * d)`` or ``(N, H_kv, d)``) into ``pool`` at ``loc``;
+    with fp8 scales other than 1 through ``set_kv_buffer(..., k_scale, v_scale)``,
+    which divides in place, so on copies (the caller's ``k`` / ``v`` stay)."""
+    if scales == (1.0, 1.0):
+        pool.set_kv_buffer(layer, loc, k, v)
+    else:
+        pool.set_kv_buffer(layer, loc, k.clone(), v.clone(), *scales)
 
 
 @dataclass
@@ -60,13 +84,17 @@ class QueryCapture:
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         row_slots: torch.Tensor,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """Request ``i``'s ``(len(rows[i]), H_q, d)`` queries at ``layer_id``, with its
-        row's ``(n,)`` pool slots in the layer's buffers."""
+        row's ``(n,)`` pool slots in the layer's buffers and the layer's fp8
+        ``(k_scale, v_scale)``."""
         if self.statistics is None:
             self.queries.setdefault(i, {})[layer_id] = queries.detach()
         else:
-            self.statistics.reduce(i, layer_id, queries.detach(), k_buffer, v_buffer, row_slots)
+            self.statistics.reduce(
+                i, layer_id, queries.detach(), k_buffer, v_buffer, row_slots, scales=scales
+            )
 
     def takes(self, layer_id: int) -> bool:
         return self.statistics is None or self.statistics.reduces(layer_id)
@@ -158,19 +186,19 @@ class RefreshAttentionBackend(AttentionBackend):
         """``q``: ``(N_q, H_q * d)`` the pass's queries; returns ``(N_q, H_q * d_v)``."""
         if self.plan is None:
             self.init_forward_metadata(forward_batch)
+        scales = layer_scales(layer, self.token_to_kv_pool)
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
-            )
+            loc = KVWriteLoc(forward_batch.out_cache_loc, None)
+            save_kv(self.token_to_kv_pool, layer, loc, k, v, scales)
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         attention = self.plan.attention
-        out = refresh_attention(q_, k_buffer, v_buffer, attention, layer.scaling)
+        out = refresh_attention(q_, k_buffer, v_buffer, attention, layer.scaling, *scales)
         if self.capture is not None and self.capture.takes(layer.layer_id):
             for i, rows in self.plan.captures.items():
                 slots = attention.kv_indices[attention.kv_indptr[i] : attention.kv_indptr[i + 1]]
-                self.capture.take(i, layer.layer_id, q_[rows], k_buffer, v_buffer, slots)
+                self.capture.take(i, layer.layer_id, q_[rows], k_buffer, v_buffer, slots, scales)
         return out.view(q_.shape[0], -1)
 
     def forward_decode(self, *args, **kwargs):
@@ -215,7 +243,8 @@ class GroupLocalAttentionBackend(AttentionBackend):
         if save_kv_cache and self.write_rows.numel():
             rows = self.write_rows.to(k.device)
             loc = KVWriteLoc(self.write_slots.to(k.device), None)
-            self.token_to_kv_pool.set_kv_buffer(layer, loc, k_[rows], v_[rows])
+            scales = layer_scales(layer, self.token_to_kv_pool)
+            save_kv(self.token_to_kv_pool, layer, loc, k_[rows], v_[rows], scales)
         out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         out_ = out.view(-1, layer.tp_q_head_num, layer.v_head_dim)
         gqa = layer.tp_q_head_num != layer.tp_k_head_num

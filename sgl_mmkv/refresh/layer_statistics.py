@@ -7,7 +7,8 @@ stay as they are), :class:`LayerStatistics` computes that statistic per request 
 the layer's queries and the row read in place through its pool slots, and keeps
 only the ``(..., N_v)`` result: the memory is O(layers x N_v), not the O(layers x row
 x H_kv x d) of a copy of every layer's row. Nothing in a layer reads a tensor on
-the host.
+the host. An fp8 pool's row is read as one dequantized float32 copy per reduced
+layer (``stored * scale``, :mod:`sgl_mmkv.kernels.kv_dtype`), freed after it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_mmkv.kernels.kv_dtype import dequantize, is_fp8
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
 from sgl_mmkv.scoring.base import LayerInputs
 
@@ -99,6 +101,7 @@ class LayerStatistics:
         v_buffer: torch.Tensor,
         row_slots: torch.Tensor,
         hidden_stats: tuple | None = None,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """Request ``i``'s statistic at ``layer_id``.
 
@@ -107,20 +110,24 @@ class LayerStatistics:
             k_buffer, v_buffer: ``(slots, H_kv, d)`` the layer's pool buffers, read in place.
             row_slots: ``(n,)`` int64 pool slots of its row without holes, on the device.
             hidden_stats: ``(mean, std, hidden_size)`` of the layer's attention input.
+            scales: the layer's ``(k_scale, v_scale)`` of an fp8 pool.
         """
         self.place(k_buffer.device)
         query_positions, visual_positions = self._placed[i]
         values = None
         if self.reduction.needs_values:
-            values = v_buffer[row_slots[visual_positions]]
+            values = dequantize(v_buffer[row_slots[visual_positions]], scales[1])
+        keys, key_slots = k_buffer, row_slots
+        if is_fp8(k_buffer.dtype):  # scorers read values: the row dequantized, once
+            keys, key_slots = dequantize(k_buffer[row_slots], scales[0]), None
         layer = LayerInputs(
             layer=layer_id,
             queries=queries,
-            keys=k_buffer,
+            keys=keys,
             query_positions=query_positions,
             visual_positions=visual_positions,
             visual_values=values,
-            key_slots=row_slots,
+            key_slots=key_slots,
             last_position=self._last[i],
             hidden_stats=hidden_stats,
             project_queries=self.project_queries,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 
+from sgl_mmkv.refresh.kv_scales import layer_scales
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics
 from sgl_mmkv.refresh.row_kv import row_slots
 
@@ -104,13 +105,14 @@ class PrefillObserver:
         pool = backend.token_to_kv_pool
         k_buffer = pool.get_key_buffer(layer.layer_id)
         v_buffer = pool.get_value_buffer(layer.layer_id)
+        scales = layer_scales(layer, pool)
         for i, queries in self._pending.items():
             if i not in self._slots:
                 kept = self.statistics.rows[i].kept
                 self._slots[i] = row_slots(backend.req_to_token_pool, forward_batch, i, kept)
             stats = self.hidden_stats.get(i, {}).get(layer.layer_id)
             self.statistics.reduce(
-                i, layer.layer_id, queries, k_buffer, v_buffer, self._slots[i], stats
+                i, layer.layer_id, queries, k_buffer, v_buffer, self._slots[i], stats, scales
             )
         self._pending.clear()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from sgl_mmkv.refresh.context import ExtendContext
+from sgl_mmkv.refresh.kv_scales import scales_of
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.row_kv import kv_at, row_slots_at
 from sgl_mmkv.scoring import TokenScorer
@@ -61,11 +62,11 @@ class ProbePass:
 
     def keep_stale(self, ctx: ExtendContext) -> None:
         """Copy every probe's K/V of every layer before the pass writes over it."""
-        pool = ctx.model_runner.token_to_kv_pool
+        pool, scales = ctx.model_runner.token_to_kv_pool, scales_of(ctx.model_runner)
         for index, rows in self.rows.items():
             self.slots[index] = row_slots_at(ctx.model_runner, ctx.forward_batch, index, rows)
             self.stale[index] = [
-                kv_at(pool, layer, self.slots[index]) for layer in range(pool.layer_num)
+                kv_at(pool, layer, self.slots[index], scales) for layer in range(pool.layer_num)
             ]
 
     def deviation(self, ctx: ExtendContext, plan: RequestPlan) -> torch.Tensor | None:
@@ -75,8 +76,9 @@ class ProbePass:
         if rows is None:
             return None
         pool, slots = ctx.model_runner.token_to_kv_pool, self.slots[plan.index]
+        scales = scales_of(ctx.model_runner)
         per_layer = [
-            self.scorer.deviation(*stale, *kv_at(pool, layer, slots))
+            self.scorer.deviation(*stale, *kv_at(pool, layer, slots, scales))
             for layer, stale in enumerate(self.stale[plan.index])
         ]
         return torch.stack(per_layer)

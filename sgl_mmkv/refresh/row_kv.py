@@ -1,10 +1,17 @@
-"""Read one request's row of KV out of SGLang's pool, on the pool's device."""
+"""Read one request's row of KV out of SGLang's pool, on the pool's device.
+
+The copies are values: an fp8 pool's rows come back dequantized (float32,
+``stored * scale`` with the layer's per-tensor scale, :mod:`sgl_mmkv.refresh.kv_scales`);
+a plain pool's rows as stored."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+from sgl_mmkv.kernels.kv_dtype import dequantize
+from sgl_mmkv.refresh.kv_scales import KVScales, scales_of
 
 
 def row_slots(
@@ -32,20 +39,21 @@ def row_keys(
 ) -> tuple[torch.Tensor, ...]:
     """Per layer of ``layers`` (default: all) ``(seq_len, H_kv, d)`` copies of K of
     request ``index``'s row."""
-    pool = model_runner.token_to_kv_pool
+    pool, scales = model_runner.token_to_kv_pool, scales_of(model_runner)
     row = _row(model_runner, forward_batch, index)
     layers = range(pool.layer_num) if layers is None else layers
-    return tuple(pool.get_key_buffer(layer)[row] for layer in layers)
+    return tuple(dequantize(pool.get_key_buffer(layer)[row], scales.k(layer)) for layer in layers)
 
 
 def row_kv(
     model_runner, forward_batch, index: int
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Per layer ``(seq_len, H_kv, d)`` copies of K and V of request ``index``'s row."""
-    pool = model_runner.token_to_kv_pool
+    pool, scales = model_runner.token_to_kv_pool, scales_of(model_runner)
     row = _row(model_runner, forward_batch, index)
-    keys = tuple(pool.get_key_buffer(layer)[row] for layer in range(pool.layer_num))
-    values = tuple(pool.get_value_buffer(layer)[row] for layer in range(pool.layer_num))
+    layers = range(pool.layer_num)
+    keys = tuple(dequantize(pool.get_key_buffer(i)[row], scales.k(i)) for i in layers)
+    values = tuple(dequantize(pool.get_value_buffer(i)[row], scales.v(i)) for i in layers)
     return keys, values
 
 
@@ -56,6 +64,12 @@ def row_slots_at(model_runner, forward_batch, index: int, positions: torch.Tenso
     return row[positions.to(row.device)]
 
 
-def kv_at(pool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, H_kv, d)`` copies of K and V at ``layer`` of ``slots`` (on the pool's device)."""
-    return pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]
+def kv_at(
+    pool, layer: int, slots: torch.Tensor, scales: KVScales | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, H_kv, d)`` copies of K and V at ``layer`` of ``slots`` (on the pool's
+    device); an fp8 pool's dequantized with ``scales`` (None: scales of 1)."""
+    k, v = pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]
+    if scales is None:
+        return dequantize(k, 1.0), dequantize(v, 1.0)
+    return dequantize(k, scales.k(layer)), dequantize(v, scales.v(layer))

@@ -25,6 +25,7 @@ from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.cost import scoring_rows
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.kv_copy import SegmentCopier
+from sgl_mmkv.refresh.kv_scales import scales_of
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
@@ -100,12 +101,12 @@ class TokenSelector:
         scorer; the visual slots and stale K/V of a deviation scorer."""
         prepared = Prepared()
         if self.scorer.needs_fresh_kv:
-            pool = ctx.model_runner.token_to_kv_pool
+            pool, scales = ctx.model_runner.token_to_kv_pool, scales_of(ctx.model_runner)
             layers = self.scorer.deviation_layers(pool.layer_num)
             slots = {p.index: _visual_slots(ctx, p) for p in ctx.plans if p.spans}
             prepared.slots = slots
             prepared.stale = {
-                i: [kv_at(pool, layer, s) for layer in layers] for i, s in slots.items()
+                i: [kv_at(pool, layer, s, scales) for layer in layers] for i, s in slots.items()
             }
         elif self.scorer.needs_attention:
             probes = ProbePass(ctx, self.scorer)
@@ -182,7 +183,7 @@ class TokenSelector:
         ones (copied before, ``(N_v, H_kv, d)`` per layer, :meth:`prepare`), then the
         stale KV restored for the refresh pass. At TP > 1 the ``(L, N_v)`` deviations
         are averaged over the ranks before the pick."""
-        pool = ctx.model_runner.token_to_kv_pool
+        pool, scales = ctx.model_runner.token_to_kv_pool, scales_of(ctx.model_runner)
         layers = self.scorer.deviation_layers(pool.layer_num)
         slots, stale = prepared.slots, prepared.stale
         whole = [~p.hole_mask() for p in ctx.plans]
@@ -194,7 +195,9 @@ class TokenSelector:
                 if plan.spans:
                     deviations[plan.index] = torch.stack(
                         [
-                            self.scorer.deviation(*kv, *kv_at(pool, layer, slots[plan.index]))
+                            self.scorer.deviation(
+                                *kv, *kv_at(pool, layer, slots[plan.index], scales)
+                            )
                             for layer, kv in zip(layers, stale[plan.index], strict=True)
                         ]
                     )

@@ -49,6 +49,9 @@ class KVFingerprint:
             language model's hidden size, times 1 + its DeepStack layers for
             Qwen3-VL); 0: entries carry no embeddings.
         embed_dtype: the dtype of that output (the model's).
+        kv_scales: fp8 KV: 16 hex digits over the dtype and every layer's K and V
+            scales (:meth:`sgl_mmkv.refresh.kv_scales.KVScales.digest`), so KV
+            stored under other scales never loads; ``""`` for plain KV.
         tp_size, tp_rank: the tensor-parallel size and this rank: a segment holds the
             rank's own KV heads, so an entry is valid only at the same TP size and
             rank (left out of :meth:`fields` at TP 1, whose entries keep their names).
@@ -64,6 +67,7 @@ class KVFingerprint:
     pool: str = ""
     embed_width: int = 0
     embed_dtype: str = ""
+    kv_scales: str = ""
     tp_size: int = 1
     tp_rank: int = 0
 
@@ -74,16 +78,19 @@ class KVFingerprint:
         model: str,
         fill: str = "first",
         embeds: tuple[int, str] = (0, ""),
+        kv_scales: str = "",
         tp: tuple[int, int] = (1, 0),
     ) -> KVFingerprint:
-        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer);
+        """The fingerprint of SGLang's KV pool (buffers ``(slots, heads, dim)`` per layer,
+        its dtype as they read it: an fp8 pool's fp8 view, not its uint8 storage);
         ``embeds``: ``(embed_width, embed_dtype)`` of the model's vision encoder output;
-        ``tp``: ``(tp_size, tp_rank)`` of this scheduler."""
+        ``kv_scales``: the digest of an fp8 pool's scales; ``tp``: ``(tp_size, tp_rank)``
+        of this scheduler."""
         k, v = kv_pool.get_key_buffer(0), kv_pool.get_value_buffer(0)
         return cls(
             model, str(k.dtype), int(kv_pool.layer_num), int(k.shape[1]), int(k.shape[2]),
             int(v.shape[2]), fill, type(kv_pool).__name__, int(embeds[0]), str(embeds[1]),
-            int(tp[0]), int(tp[1]),
+            kv_scales, int(tp[0]), int(tp[1]),
         )  # fmt: skip
 
     def fields(self) -> dict[str, Any]:

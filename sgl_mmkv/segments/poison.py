@@ -12,14 +12,18 @@ import os
 
 import torch
 
+from sgl_mmkv.kernels.kv_dtype import put_rows
+
 POISON_ENV = "SGL_MMKV_POISON_FREED"
 
 
 def poison_slots(kv_pool, slots: torch.Tensor) -> None:
-    """Write NaN into K and V of ``slots`` ``(n,)`` in every layer, if asked for."""
+    """Write NaN into K and V of ``slots`` ``(n,)`` in every layer, if asked for
+    (fp8 pools: the format's NaN bytes)."""
     if os.environ.get(POISON_ENV) != "1" or slots.numel() == 0:
         return
     for layer in range(kv_pool.layer_num):
-        index = slots.to(kv_pool.get_key_buffer(layer).device, torch.long)
-        kv_pool.get_key_buffer(layer)[index] = float("nan")
-        kv_pool.get_value_buffer(layer)[index] = float("nan")
+        for buffer in (kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer)):
+            index = slots.to(buffer.device, torch.long)
+            nan = torch.full((), float("nan"), device=buffer.device).to(buffer.dtype)
+            put_rows(buffer, index, nan.expand(index.numel(), *buffer.shape[1:]))

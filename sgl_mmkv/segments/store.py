@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_mmkv.counters import Counters
+from sgl_mmkv.kernels.kv_dtype import put_rows
 from sgl_mmkv.scoring.base import budget_count, top_tokens
 from sgl_mmkv.segments.key import SegmentKey
 from sgl_mmkv.segments.poison import poison_slots
@@ -272,8 +273,8 @@ class SegmentStore:
         for layer in range(self.kv_pool.layer_num):
             k = self.kv_pool.get_key_buffer(layer)
             v = self.kv_pool.get_value_buffer(layer)
-            k[slots] = k[src]
-            v[slots] = v[src]
+            put_rows(k, slots, k[src])
+            put_rows(v, slots, v[src])
         self.write_through(segment)
         return segment
 
@@ -337,8 +338,9 @@ class SegmentStore:
         self.counters.loaded += 1
         slots = segment.slots
         for layer in range(self.kv_pool.layer_num):
-            self.kv_pool.get_key_buffer(layer)[slots] = stored.keys[layer].to(k0.device)
-            self.kv_pool.get_value_buffer(layer)[slots] = stored.values[layer].to(v0.device)
+            k, v = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
+            put_rows(k, slots, stored.keys[layer].to(k0.device))
+            put_rows(v, slots, stored.values[layer].to(v0.device))
         segment.kept = None if stored.kept is None else stored.kept.clone()
         segment.persisted = True
         segment.stored_embeddings = stored.embeddings is not None
@@ -502,7 +504,7 @@ class SegmentStore:
         pool = self.kv_pool
         for layer in range(pool.layer_num):
             for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-                buffer[dst] = buffer[src]  # gathered before written: src and dst may overlap
+                put_rows(buffer, dst, buffer[src])  # gathered first: src and dst may overlap
         freed_slots = pages[count:]
         poison_slots(self.kv_pool, freed_slots)
         self.allocator.free(freed_slots)

@@ -1,4 +1,4 @@
-"""Build tiny random-weight Qwen2 / Qwen2-VL / Qwen2.5-VL / Qwen3-VL / LLaVA checkpoints offline.
+"""Build tiny random-weight Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), LLaVA models.
 
     python -m sgl_mmkv.testing.make_tiny_model --arch qwen2_vl --out DIR [--seed N]
 
@@ -20,12 +20,14 @@ import torch
 
 from sgl_mmkv.testing.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
-QWEN_ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_ARCHS = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3-VL's two text stacks (dense, MoE) share the vision tower, processor and rotary.
+QWEN3_VL_ARCHS = ("qwen3_vl", "qwen3_vl_moe")
 # HF-format LLaVA (Pixtral vision, Qwen2 text, 1-D RoPE): built by testing/tiny_llava.py.
 LLAVA_ARCH = "llava"
 ARCHS = (*QWEN_ARCHS, LLAVA_ARCH)
 # Qwen3-VL cuts 16-pixel patches (Qwen2-VL and Qwen2.5-VL: 14).
-PATCH_SIZE = {"qwen3_vl": 16}
+PATCH_SIZE = {"qwen3_vl": 16, "qwen3_vl_moe": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,7 @@ def _vision_config(spec: TinyModelSpec, arch: str) -> dict:
         "temporal_patch_size": 2,
         "initializer_range": 0.02,
     }
-    if arch == "qwen3_vl":
+    if arch in QWEN3_VL_ARCHS:
         return {
             **common,
             "patch_size": PATCH_SIZE[arch],
@@ -149,20 +151,31 @@ def deepstack_visual_indexes(spec: TinyModelSpec) -> list[int]:
 
 def build_config(arch: str, spec: TinyModelSpec):
     """Return the transformers config object of ``arch`` at the sizes of ``spec``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2Config,
+        Qwen2VLConfig,
+        Qwen3VLConfig,
+        Qwen3VLMoeConfig,
+    )
 
     if arch == "qwen2":
         config = Qwen2Config(**_text_config(spec, mrope=False))
         config.architectures = ["Qwen2ForCausalLM"]
         return config
     ids = _token_ids()
-    cls = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}[
-        arch
-    ]
+    cls = {
+        "qwen2_vl": Qwen2VLConfig,
+        "qwen2_5_vl": Qwen2_5_VLConfig,
+        "qwen3_vl": Qwen3VLConfig,
+        "qwen3_vl_moe": Qwen3VLMoeConfig,
+    }[arch]
     text = _text_config(spec, mrope=True)
-    if arch == "qwen3_vl":
+    if arch in QWEN3_VL_ARCHS:
         text["head_dim"] = spec.hidden_size // spec.num_heads
         text["rope_parameters"]["mrope_interleaved"] = True
+    if arch == "qwen3_vl_moe":
+        text.update(MOE_TEXT_CONFIG)
     config = cls(
         text_config=text,
         vision_config=_vision_config(spec, arch),
@@ -181,6 +194,19 @@ ARCHITECTURES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
+# A sparse MLP in every decoder layer (as Qwen3-VL-30B-A3B): 4 experts of which 2 route
+# each token, renormalised. transformers 5 names the count num_local_experts and SGLang
+# reads num_experts: the published checkpoints write num_experts, so config.json does.
+MOE_TEXT_CONFIG = {
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
 }
 
 
@@ -192,6 +218,7 @@ def _model_class(arch: str):
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
     }[arch]
 
 
@@ -206,7 +233,7 @@ def _save_processor(arch: str, out: Path, tokenizer, spec: TinyModelSpec) -> Non
         merge_size=2,
         temporal_patch_size=2,
     )
-    if arch == "qwen3_vl":
+    if arch in QWEN3_VL_ARCHS:
         video_processor = transformers.Qwen3VLVideoProcessor(
             size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
             patch_size=patch_size,
@@ -219,6 +246,7 @@ def _save_processor(arch: str, out: Path, tokenizer, spec: TinyModelSpec) -> Non
         "qwen2_vl": transformers.Qwen2VLProcessor,
         "qwen2_5_vl": transformers.Qwen2_5_VLProcessor,
         "qwen3_vl": transformers.Qwen3VLProcessor,
+        "qwen3_vl_moe": transformers.Qwen3VLProcessor,
     }[arch]
     processor = processor_cls(
         image_processor=image_processor,
@@ -234,7 +262,7 @@ def _patch_config_json(path: Path, arch: str, spec: TinyModelSpec) -> None:
     config = json.loads(path.read_text())
     if arch != "qwen2":
         rope_scaling = {"type": "mrope", "mrope_section": list(spec.mrope_section)}
-        if arch == "qwen3_vl":
+        if arch in QWEN3_VL_ARCHS:
             # As in the published Qwen3-VL checkpoints: t, h, w frequencies interleaved.
             rope_scaling = {
                 "rope_type": "default",
@@ -259,6 +287,9 @@ def _patch_config_json(path: Path, arch: str, spec: TinyModelSpec) -> None:
             if key in config["text_config"]:
                 config.setdefault(key, config["text_config"][key])
         config.setdefault("rope_theta", 1000000.0)
+    if arch == "qwen3_vl_moe":
+        for key, value in MOE_TEXT_CONFIG.items():
+            config["text_config"].setdefault(key, value)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -280,11 +311,27 @@ def save_checkpoint(model, tokenizer, arch: str, spec: TinyModelSpec, out: str |
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if arch == "qwen3_vl_moe":
+        _write_published_expert_layout(out)
     tokenizer.save_pretrained(out)
     if arch != "qwen2":
         _save_processor(arch, out, tokenizer, spec)
     _patch_config_json(out / "config.json", arch, spec)
     return out
+
+
+def _write_published_expert_layout(out: Path) -> None:
+    """Rewrite the fused expert weights as the published Qwen3-VL MoE checkpoints hold
+    them (``gate_up_proj (E, hidden, 2 * inter)``, ``down_proj (E, inter, hidden)``),
+    the layout SGLang's loader transposes; transformers 5 saves them ``(E, out, in)``."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name in tensors:
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = tensors[name].transpose(-1, -2).contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
 
 
 def make_tiny_model(
