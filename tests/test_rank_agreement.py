@@ -223,3 +223,48 @@ def test_plan_signature_tells_plans_apart():
     assert base != plan_signature(plan(kept=torch.arange(0, 8, 2)))  # a compressed segment
     assert base != plan_signature(plan(holes=True))
     assert base != plan_signature(RequestPlan(0, 0, 20))  # a miss on one rank
+
+
+class _Peers(RankAgreement):
+    """Another rank's answers, as :meth:`RankAgreement.plans` would return them."""
+
+    def __init__(self, same: list[bool], failed: bool = False):
+        super().__init__()
+        self.world_size, self.answer = 2, (same, failed)
+
+    def plans(self, signatures, size, failed):
+        return self.answer[0], self.answer[1] or failed
+
+
+def _two_plans():
+    from sgl_mmkv.refresh.plan import RequestPlan, ReuseSpan
+    from sgl_mmkv.segments.store import Segment
+
+    segment = Segment(None, torch.arange(8), torch.zeros(3, 8, dtype=torch.long))
+    span = ReuseSpan(4, 12, segment, 3)
+    return (RequestPlan(0, 0, 20, spans=(span,)), RequestPlan(1, 0, 20, spans=(span,), holes=True))
+
+
+def test_a_request_planned_differently_on_another_rank_reuses_nothing_on_this_one():
+    """An L3 hit on one rank and a miss on the other (or a missed deadline): the
+    request's plans differ, it reuses nothing on every rank, and it is counted."""
+    from sgl_mmkv.refresh.planning import ExtendPlanner
+    from sgl_mmkv.refresh.report import RefreshCounters
+
+    counters = RefreshCounters()
+    planner = ExtendPlanner(
+        None,
+        make_refresh_scorer("conduit"),
+        1.0,
+        "always",
+        counters,
+        agreement=_Peers([True, False]),
+    )
+    kept, dropped = planner._agreed(_two_plans(), 2, None)
+    assert len(kept.spans) == 1 and dropped.spans == () and dropped.holes is False
+    assert counters.rank_disagreements == 1
+    failing = ExtendPlanner(
+        None, make_refresh_scorer("conduit"), 1.0, "always", counters, agreement=_Peers([], True)
+    )
+    with pytest.raises(PeerFailed, match="^plan$"):  # the other rank failed to plan
+        failing._agreed(_two_plans(), 2, None)
