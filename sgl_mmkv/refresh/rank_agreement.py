@@ -154,7 +154,9 @@ class RankAgreement:
         """Each of ``tensors`` (any shapes, one device) averaged over the ranks: one
         SUM all-reduce of them flattened into one float32 tensor over the device
         group, divided by the world size. Returns float32 tensors of the same shapes.
-        A per-rank mean over its heads becomes the mean over every head."""
+        A per-rank mean over its heads becomes the mean over every head; a per-rank
+        norm becomes the mean of the ranks' norms (equal on every rank, not the
+        norm over every head)."""
         if not self.active or not tensors:
             return tensors
         flat = torch.cat([t.float().reshape(-1) for t in tensors])
