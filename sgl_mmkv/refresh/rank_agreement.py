@@ -19,7 +19,10 @@ SGLang's TP group (``get_tp_group()``):
   every rank answer the batch as stock;
 - :meth:`RankAgreement.mean`: one float32 all-reduce (SUM, then / N) over the device
   group (NCCL on CUDA, gloo on the CPU) of every request's statistics flattened
-  into one tensor: the mean over every rank's heads, the same on every rank.
+  into one tensor: the ranks' mean, the same on every rank;
+- :meth:`RankAgreement.all_of`: one int64 all-reduce (MIN) over the CPU group of a
+  flag per image: stored embeddings replace the (TP-sharded) vision tower only where
+  every rank holds them.
 
 None of them runs inside a layer loop. At TP 1 (or outside a server) every method
 returns its input and runs no collective, so a single rank stays byte-identical.
