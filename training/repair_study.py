@@ -318,6 +318,17 @@ def correct(model, hook, case: Case, fn=None) -> bool:
     return bool((predicted == ids[case.prompt_len :]).all())
 
 
+@torch.no_grad()
+def answer_logits(model, hook, case: Case, fn=None) -> torch.Tensor:
+    """The logits of the rows that predict the answer, with ``fn`` as the layer hook."""
+    hook.fn = fn
+    try:
+        logits = model(**case.inputs).logits[0]
+    finally:
+        hook.fn = None
+    return logits[case.prompt_len - 1 : -1]
+
+
 # ---------------------------------------------------------------- probes
 
 
@@ -1011,7 +1022,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"Offline repair study, {report['model']}, commit {report['commit']}, "
         f"{report['num_validation']} validation / {report['num_test']} test prompts per cell, "
-        f"{report['seconds']} s. Chosen on validation: {report['chosen']}; kamera rank {report['kamera_rank']}.",
+        f"{report['seconds']} s. Chosen on validation: {report['chosen']}; "
+        f"kamera rank {report['kamera_rank']}.",
         "",
         "| scenario | method | accuracy | relative [95 %] | FLOPs fraction | incl. fill |",
         "|---|---|---|---|---|---|",
@@ -1022,8 +1034,8 @@ def markdown(report: dict) -> str:
                 continue
             lo, hi = cell["relative_ci"]
             lines.append(
-                f"| `{sc}` | {lab} | {cell['accuracy']:.3f} | {cell['relative']:.3f} [{lo:.3f}, {hi:.3f}] "
-                f"| {cell['flops']:.3f} | {cell['flops_incl_fill']:.3f} |"
+                f"| `{sc}` | {lab} | {cell['accuracy']:.3f} | {cell['relative']:.3f} "
+                f"[{lo:.3f}, {hi:.3f}] | {cell['flops']:.3f} | {cell['flops_incl_fill']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
