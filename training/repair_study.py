@@ -869,10 +869,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--out-dir", type=Path, default=Path("training/results/repair-study"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--delta-stats",
+        type=int,
+        default=0,
+        help="only measure H1/H2 (the exact change's rank and its extrapolation "
+        "error) on this many validation prompts, into delta_stats.json",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
     runner = Runner(args.model_path)
+    if args.delta_stats:
+        stats = delta_stats(runner, args.delta_stats)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "delta_stats.json").write_text(json.dumps(stats, indent=1))
+        print(json.dumps(stats, indent=1))
+        return
     scenarios = (*STALE_SCENARIOS, *CONTROLS)
     log = print
 
@@ -1046,6 +1059,60 @@ def markdown(report: dict) -> str:
                 f"[{lo:.3f}, {hi:.3f}] | {cell['flops']:.3f} | {cell['flops_incl_fill']:.3f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def delta_stats(runner: Runner, count: int, split: str = "validation") -> dict:
+    """H1 / H2 of the design note on ``count`` prompts of ``split``: per stale scenario
+    and layer, the share of the exact change's energy (full prefill's [K | V] minus
+    the stale one, per image) in its top 1 / 2 / 4 / 8 singular directions and in its
+    mean, and the relative error with which each patch form extrapolates it from
+    ``P`` probe rows of the exact change (no layer-synchronous feedback)."""
+    out: dict = {}
+    cases = runner.cases(split, count, STALE_SCENARIOS)
+    for sc, group in cases.items():
+        acc: dict = {}
+        for case in group:
+            for j in probe_images(case):
+                rows = _rows(case, j)
+                for layer in range(1, len(case.stale[j])):
+                    sk, sv = case.stale[j][layer]
+                    rk, rv = case.ref_kv[layer]
+                    d = torch.cat([rk[rows] - sk, rv[rows] - sv], -1)
+                    stale = torch.cat([sk, sv], -1)
+                    energy = d.pow(2).sum()
+                    if energy <= 0:
+                        continue
+                    s = torch.linalg.svdvals(d).pow(2)
+                    rec = acc.setdefault(layer, {})
+                    for r in (1, 2, 4, 8):
+                        rec.setdefault(f"rank{r}", []).append(float(s[:r].sum() / energy))
+                    rec.setdefault("mean", []).append(
+                        float(d.mean(0).pow(2).sum() * d.shape[0] / energy)
+                    )
+                    rec.setdefault("relative_norm", []).append(
+                        float(d.norm() / stale.norm().clamp_min(EPS))
+                    )
+                    for p in (1, 2, 4, 8):
+                        offs = probe_offsets(case.grids[j], p)
+                        others = [i for i in range(d.shape[0]) if i not in set(offs)]
+                        for form in ("mean", "kernel", "regress"):
+                            if form != "mean" and p == 1:
+                                continue
+                            cfg = PatchConfig(p, form, 0.0)
+                            est = torch.cat(
+                                [
+                                    _extrapolate(cfg, sk, offs, d[offs, : sk.shape[1]]),
+                                    _extrapolate(cfg, sv, offs, d[offs, sk.shape[1] :]),
+                                ],
+                                -1,
+                            )
+                            err = (est[others] - d[others]).norm() / d[others].norm()
+                            rec.setdefault(f"err_{form}_P{p}", []).append(float(err))
+        out[sc] = {
+            str(layer): {k: round(sum(v) / len(v), 3) for k, v in rec.items()}
+            for layer, rec in sorted(acc.items())
+        }
+    return out
 
 
 if __name__ == "__main__":
