@@ -879,6 +879,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()  # read at the start: the code that runs
     runner = Runner(args.model_path)
     if args.delta_stats:
         stats = delta_stats(runner, args.delta_stats)
@@ -1011,9 +1014,6 @@ def main(argv: list[str] | None = None) -> None:
         cells["_full_accuracy"] = round(sum(refs[sc]) / len(refs[sc]), 4)
         results[sc] = cells
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     report = {
         "model": str(args.model_path),
         "commit": commit,
