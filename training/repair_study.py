@@ -489,10 +489,27 @@ class PatchConfig:
         return f"stalepatch[P={self.probes},{self.form},tau={self.tau:g}]"
 
 
-def _extrapolate(cfg: PatchConfig, stale: torch.Tensor, offs: list[int], delta: torch.Tensor):
-    """``(n, d)`` correction of every row from the probes' ``(P, d)`` change."""
+def _extrapolate(
+    cfg: PatchConfig,
+    stale: torch.Tensor,
+    offs: list[int],
+    delta: torch.Tensor,
+    loadings: torch.Tensor | None = None,
+):
+    """``(n, d)`` correction of every row from the probes' ``(P, d)`` change.
+
+    ``basis`` (W2 of the design note) needs ``loadings``: ``(n, m)`` per-token
+    loadings stored at fill (the image's in-context-minus-alone change, its top
+    ``m`` left singular vectors times their values); the correction is
+    ``[1, loadings] @ C`` with ``C`` fitted to the probes by ridge least squares."""
     if cfg.form == "none" or delta.shape[0] == 0:
         return torch.zeros_like(stale)
+    if cfg.form == "basis":
+        phi = torch.cat([torch.ones(stale.shape[0], 1), loadings], 1)
+        phi = phi / phi.norm(dim=0, keepdim=True).clamp_min(EPS) * math.sqrt(stale.shape[0])
+        a = phi[offs]
+        gram = a.T @ a + cfg.ridge * torch.eye(a.shape[1])
+        return phi @ torch.linalg.solve(gram, a.T @ delta)
     if cfg.form == "mean":
         return delta.mean(0, keepdim=True).expand_as(stale)
     if cfg.form == "kernel":
@@ -515,6 +532,16 @@ def _extrapolate(cfg: PatchConfig, stale: torch.Tensor, offs: list[int], delta: 
         b = torch.linalg.solve(gram, a.T @ delta)
         return phi @ b
     raise ValueError(f"unknown patch form {cfg.form!r}")
+
+
+def _fill_loadings(case: Case, j: int, layer: int, rank: int) -> torch.Tensor:
+    """W2's stored per-token loadings of reused image ``j`` at ``layer``: the top
+    ``rank`` left singular vectors (times values) of its fill context's [K | V] minus
+    its position-free [K | V]."""
+    sk, sv = case.stale[j][layer]
+    ak, av = case.alone[case.image_index[j]][layer]
+    u, s, _ = torch.linalg.svd(torch.cat([sk - ak, sv - av], -1), full_matrices=False)
+    return u[:, :rank] * s[:rank]
 
 
 def stalepatch_fn(case: Case, cfg: PatchConfig, stats: dict | None = None):
@@ -543,8 +570,9 @@ def stalepatch_fn(case: Case, cfg: PatchConfig, stats: dict | None = None):
                     zsum[j] += z
                 gate = layer > 0 and zsum[j] / layer >= cfg.tau
                 if gate:
-                    nk = nk + _extrapolate(cfg, sk, o, dk)
-                    nv = nv + _extrapolate(cfg, sv, o, dv)
+                    load = _fill_loadings(case, j, layer, cfg.rank) if cfg.form == "basis" else None
+                    nk = nk + _extrapolate(cfg, sk, o, dk, load)
+                    nv = nv + _extrapolate(cfg, sv, o, dv, load)
                     if stats is not None:
                         stats["patched"] = stats.get("patched", 0) + 1
                 nk[o], nv[o] = ck, cv
@@ -647,6 +675,9 @@ def patch_flops(shape: DecoderShape, case: Case, cfg: PatchConfig, patched: int)
         per = p * d + n * d
     elif cfg.form == "kernel":
         per = 3 * n * d + 2 * n * p * d + 5 * n * p + 2 * n * p * d + n * d
+    elif cfg.form == "basis":  # the SVD is the fill's (fill_extra); here the fit and apply
+        m = cfg.rank
+        per = 2 * p * (m + 1) * (m + 1 + d) + 2 * n * (m + 1) * d + n * d
     else:  # regress
         r = min(cfg.rank, p - 1)
         per = 4 * n * d * min(n, d) + 2 * n * d * r + 2 * p * (r + 1) * (r + 1 + d)
@@ -807,7 +838,11 @@ class Runner:
                 rows[torch.tensor(o, dtype=torch.long) + case.spans[j][0]] = True
             flops = sh.pass_flops(positions_of(rows))
             flops += patch_flops(sh, case, cfg, stats.get("patched", 0))
-            return ok, flops / full, flops / full
+            fill = 0
+            if cfg.form == "basis" and case.spans:  # W2's canonical pass and SVDs, at fill
+                n = case.spans[0][1] - case.spans[0][0]
+                fill = kamera_fill_flops(sh, n, cfg.rank, len(case.spans))
+            return ok, flops / full, (flops + fill) / full
         if method == "oracle-rank":
             ok = correct(self.model, self.hook, case, oracle_rank_fn(case, arg))
             return ok, float("nan"), float("nan")
@@ -876,6 +911,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only measure H1/H2 (the exact change's rank and its extrapolation "
         "error) on this many validation prompts, into delta_stats.json",
     )
+    parser.add_argument(
+        "--basis-validation",
+        default="",
+        help="only run stalepatch with W2's stored basis (P = 4, these ranks, e.g. 1,2,3) "
+        "on --num-validation validation prompts, into basis_validation.json",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -883,6 +924,22 @@ def main(argv: list[str] | None = None) -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()  # read at the start: the code that runs
     runner = Runner(args.model_path)
+    if args.basis_validation:
+        cfgs = [PatchConfig(4, "basis", 0.0, rank=int(m)) for m in args.basis_validation.split(",")]
+        table: dict = {}
+        for sc in (*STALE_SCENARIOS, *CONTROLS):
+            group = runner.cases("validation", args.num_validation, (sc,))[sc]
+            for cfg in cfgs:
+                cell = evaluate(runner, group, "stalepatch", cfg)
+                table.setdefault(f"{cfg.label}[m={cfg.rank}]", {})[sc] = cell
+                print(
+                    sc, cfg.rank, cell["relative"], cell["relative_ci"], cell["flops"], flush=True
+                )
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "basis_validation.json").write_text(
+            json.dumps({"commit": commit, "num_validation": args.num_validation, **table}, indent=1)
+        )
+        return
     if args.delta_stats:
         stats = delta_stats(runner, args.delta_stats)
         args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -1069,7 +1126,7 @@ def delta_stats(runner: Runner, count: int, split: str = "validation") -> dict:
     ``P`` probe rows of the exact change (no layer-synchronous feedback)."""
     out: dict = {}
     cases = runner.cases(split, count, STALE_SCENARIOS)
-    for sc, group in cases.items():
+    for sc, group in cases.items():  # (cases carry their images' position-free KV)
         acc: dict = {}
         for case in group:
             for j in probe_images(case):
@@ -1092,6 +1149,20 @@ def delta_stats(runner: Runner, count: int, split: str = "validation") -> dict:
                     rec.setdefault("relative_norm", []).append(
                         float(d.norm() / stale.norm().clamp_min(EPS))
                     )
+                    for m in (1, 2, 4):  # W2: does the fill's per-token basis span this change?
+                        load = _fill_loadings(case, j, layer, m)
+                        phi = torch.cat([torch.ones(d.shape[0], 1), load], 1)
+                        proj = phi @ torch.linalg.lstsq(phi, d).solution
+                        rec.setdefault(f"span_basis_m{m}", []).append(
+                            float((proj - d).norm() / d.norm())
+                        )
+                        offs = probe_offsets(case.grids[j], 4)
+                        others = [i for i in range(d.shape[0]) if i not in set(offs)]
+                        cfg = PatchConfig(4, "basis", 0.0, rank=m)
+                        est = _extrapolate(cfg, stale, offs, d[offs], load)
+                        rec.setdefault(f"err_basis_P4_m{m}", []).append(
+                            float((est[others] - d[others]).norm() / d[others].norm())
+                        )
                     for p in (1, 2, 4, 8):
                         offs = probe_offsets(case.grids[j], p)
                         others = [i for i in range(d.shape[0]) if i not in set(offs)]
