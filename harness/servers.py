@@ -9,6 +9,7 @@ side (sgl_mmkv keeps it on in every mode); it is reported, not compared.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import signal
@@ -23,8 +24,9 @@ import torch
 
 from sgl_mmkv.config import DEFAULT_KV_BUDGET
 from sgl_mmkv.cpu_support import prepare_cpu_process
+from sgl_mmkv.launch_server import OMP_BIND_ENV, cpu_thread_binding
 from sgl_mmkv.testing.make_tiny_model import BENCH_SPEC, make_tiny_model
-from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats
+from sgl_mmkv.testing.server import REPORT_REUSE, ServerProcess, mmkv_stats, stock_cpu_env
 
 STOCK = "stock"
 DEFAULT_BENCH_MODEL = Path("/tmp/sgl_mmkv-bench-qwen2-vl")
@@ -131,11 +133,36 @@ def build_side(
     """A not yet started server for ``name`` (``stock``, or a mode as :func:`mode_flags`)."""
     log = log_dir / f"server-{name}{log_suffix}.log"
     if name == STOCK:
-        process = ServerProcess("sglang.launch_server", model_path, shared_args, log_path=log)
+        module, env = stock_launch(shared_args)
+        process = ServerProcess(module, model_path, shared_args, log_path=log, env=env)
     else:
         mmkv = mode_flags(name, refresh_budget, kv_budget)
         process = ServerProcess("sgl_mmkv.launch_server", model_path, [*mmkv, *shared_args], log)
     return Side(name, process)
+
+
+def _cpu_tp_size(shared_args: Sequence[str]) -> int:
+    """``--tp-size`` of CPU arguments (1 when absent or not on the CPU)."""
+    args = list(shared_args)
+    if "cpu" not in args or "--tp-size" not in args:
+        return 1
+    return int(args[args.index("--tp-size") + 1])
+
+
+def stock_launch(shared_args: Sequence[str]) -> tuple[str, dict[str, str] | None]:
+    """The module that starts stock SGLang with ``shared_args`` and its environment.
+
+    SGLang's own launcher, except at ``--tp-size`` > 1 on a CPU, which stock SGLang
+    0.5.23 cannot start (its groups build a CUDA-only pynccl communicator): there
+    ``sgl_mmkv.testing.stock_tp_server`` (SGLang's launcher with only that fix) and
+    the thread binding sgl_mmkv's launcher sets for its own side."""
+    tp = _cpu_tp_size(shared_args)
+    if tp <= 1:
+        return "sglang.launch_server", None
+    env = stock_cpu_env()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    env.setdefault(OMP_BIND_ENV, cpu_thread_binding(tp, cores or [0]))
+    return "sgl_mmkv.testing.stock_tp_server", env
 
 
 def bench_model(path: Path = DEFAULT_BENCH_MODEL) -> Path:
@@ -173,7 +200,9 @@ def command_lines(
 ) -> dict[str, str]:
     """The command line of each side (the port added at start aside)."""
     base = f"--model-path {model} " + shlex.join(shared)
-    lines = {STOCK: f"python -m sglang.launch_server {base}"}
+    module, env = stock_launch(shared)
+    bind = f"{OMP_BIND_ENV}={env[OMP_BIND_ENV]} " if env else ""
+    lines = {STOCK: f"{bind}python -m {module} {base}"}
     for mode in modes:
         flags = shlex.join(mode_flags(mode, refresh_budget, kv_budget))
         lines[mode] = f"python -m sgl_mmkv.launch_server {base} {flags}"

@@ -2,7 +2,7 @@
 ``exact`` answers as stock SGLang at TP 2 does.
 
 Stock SGLang 0.5.23 cannot start TP 2 on the CPU by itself (pynccl needs CUDA), so
-the stock side is ``tests/stock_tp_server.py``: SGLang's own launcher plus the one
+the stock side is ``sgl_mmkv/testing/stock_tp_server.py``: SGLang's own launcher plus the one
 hook sgl_mmkv registers for this (``patches/model_parallel_group_cpu.py``), with
 ``SGLANG_CPU_OMP_THREADS_BIND=0|1`` set by hand. Our sides get both from
 ``sgl_mmkv.launch_server``. The servers start one at a time (each TP-2 server is
@@ -90,7 +90,7 @@ def _serve(module: str, model: Path, extra: list[str], log: Path, bind: str | No
 
 
 SIDES = {
-    "stock": ("tests.stock_tp_server", [], "0|1"),
+    "stock": ("sgl_mmkv.testing.stock_tp_server", [], "0|1"),
     "exact": ("sgl_mmkv.launch_server", ["--mm-reuse", "exact"], None),
     "off": ("sgl_mmkv.launch_server", ["--mm-reuse", "off"], None),
 }

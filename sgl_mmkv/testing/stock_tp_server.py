@@ -1,5 +1,5 @@
 """Stock ``python -m sglang.launch_server`` with sgl_mmkv's CPU tensor-parallel hook
-and nothing else: ``python -m tests.stock_tp_server <sglang flags>`` from the repo root.
+and nothing else: ``python -m sgl_mmkv.testing.stock_tp_server <sglang flags>``.
 
 Stock SGLang 0.5.23 cannot run ``--tp-size 2`` on the CPU (its groups build a
 ``PyNcclCommunicator``, which needs CUDA). sgl_mmkv's plugin registers its fix
