@@ -39,6 +39,9 @@ from pathlib import Path
 
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: harness/
+
+from harness.servers import stock_launch
 from sgl_mmkv.cpu_support import prepare_cpu_process
 from sgl_mmkv.segments.poison import POISON_ENV
 from sgl_mmkv.testing.images import data_url, make_image, user_message
@@ -73,12 +76,22 @@ KINDS: dict[str, tuple[int, str]] = {
 }
 POOL_TOKENS = 1200  # 16 tokens per image; 24 images in play hold 384, and rows more
 CHUNK_TOKENS = 64  # long-prefix requests reach their images in a later chunk
+EVICTION_FLAGS = ["--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "fill"]
 SERVER_FLAGS = [
     *("--mm-reuse", "conduit", "--mm-reuse-gate", "always", REPORT_REUSE),
-    *("--mm-evict", "snapkv", "--mm-kv-budget", "0.5", "--mm-compress-at", "fill"),
+    *EVICTION_FLAGS,
     *("--chunked-prefill-size", str(CHUNK_TOKENS), "--enable-streaming-session"),
     *("--max-total-tokens", str(POOL_TOKENS)),
 ]
+
+
+def server_flags(tp_size: int) -> list[str]:
+    """The soaked server's flags. At ``--tp-size`` > 1 scored eviction (and with it
+    compression at fill and reuse holes) is refused, so the soak runs without it."""
+    if tp_size <= 1:
+        return list(SERVER_FLAGS)
+    flags = [f for f in SERVER_FLAGS if f not in EVICTION_FLAGS]
+    return [*flags, "--tp-size", str(tp_size)]
 
 
 class Soak:
@@ -269,8 +282,16 @@ def greedy_replies(base_url: str, conversations: list[list[dict]]) -> list[str]:
     return replies
 
 
-def stock_replies(model: Path, conversations: list[list[dict]], log: Path) -> list[str]:
-    with ServerProcess("sglang.launch_server", model, CPU_SERVER_ARGS, log) as server:
+def stock_args(tp_size: int) -> list[str]:
+    """Stock SGLang's arguments: the CPU settings at its defaults, at the same TP size."""
+    return [*CPU_SERVER_ARGS, *(("--tp-size", str(tp_size)) if tp_size > 1 else ())]
+
+
+def stock_replies(
+    model: Path, conversations: list[list[dict]], log: Path, tp_size: int = 1
+) -> list[str]:
+    module, env = stock_launch(stock_args(tp_size))
+    with ServerProcess(module, model, stock_args(tp_size), log, env=env) as server:
         return greedy_replies(server.base_url, conversations)
 
 
@@ -292,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probes", type=int, default=16, help="deterministic subset size")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/soak"))
+    parser.add_argument(
+        "--tp-size", type=int, default=1, help="ranks of both servers (> 1: no scored eviction)"
+    )
     args = parser.parse_args(argv)
     prepare_cpu_process()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     storage = Path(tempfile.mkdtemp(prefix="soak-storage-"))
     flags = [
-        *SERVER_FLAGS,
+        *server_flags(args.tp_size),
         "--mm-segment-storage",
         "file",
         "--mm-segment-storage-dir",
@@ -332,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = mmkv_stats(server.base_url)
     pool = stats["pool"]
     ledger_ok = pool["available"] == pool["size"] and pool["free_unique"] and pool["in_use"] == 0
-    stock = stock_replies(model, subset, args.out_dir / "stock_server.log")
+    stock = stock_replies(model, subset, args.out_dir / "stock_server.log", args.tp_size)
     differing = [j for j, (a, b) in enumerate(zip(ours, stock, strict=False)) if a != b]
     differing += list(range(len(ours), len(stock)))
 
@@ -352,13 +376,17 @@ def main(argv: list[str] | None = None) -> int:
         f"storage: {stats.get('storage')}"
     )
     print(f"server: {command} (env {POISON_ENV}=1)")
+    stock_module, stock_env = stock_launch(stock_args(args.tp_size))
+    bind = " ".join(f"{k}={v}" for k, v in (stock_env or {}).items() if k.startswith("SGLANG_CPU"))
     print(
-        f"stock:  python -m sglang.launch_server --model-path {model} {' '.join(CPU_SERVER_ARGS)}"
+        f"stock:  {bind + ' ' if bind else ''}python -m {stock_module} --model-path {model} "
+        f"{' '.join(stock_args(args.tp_size))}"
     )
     record = {
         "command": " ".join(sys.argv),
         "server_command": command,
         "requests": args.requests,
+        "tp_size": args.tp_size,
         "concurrency": args.concurrency,
         "wall_s": wall,
         "alive": alive,

@@ -374,3 +374,38 @@ def test_tp2_a_fault_on_rank_1_only_answers_as_stock_on_both(
     after = mmkv_stats(conduit.base_url)
     assert _delta(before, after, "refresh", "reused_tokens") == 3 * TOKENS_PER_IMAGE
     assert _delta(before, after, "refresh", "fallbacks") == 0
+
+
+@pytest.mark.slow
+def test_tp2_qwen3_vl_moe_conduit_at_budget_one_answers_as_off(tiny_qwen3_vl_moe, tmp_path_factory):
+    """Qwen3-VL MoE at TP 2 (experts sharded over the ranks, SGLang's native MoE on the
+    CPU): a reused, fully refreshed request answers as ``off`` at TP 2 does."""
+    logs = tmp_path_factory.mktemp("tp_moe")
+    off = ServerProcess(
+        "sgl_mmkv.launch_server",
+        tiny_qwen3_vl_moe,
+        [*TP, "--mm-reuse", "off", *CPU_SERVER_ARGS],
+        log_path=logs / "off.log",
+        env=_env(None),
+        cwd=REPO,
+    )
+    with off:
+        client = _client(off)
+        want = {"store": _chat(client, _conversation(STORE, IMAGES))}
+        for name, (system, images) in PROBES.items():
+            want[name] = _chat(client, _conversation(system, images))
+    args = ["--mm-reuse", "conduit", "--mm-refresh-budget", "1.0"]
+    with _refresh_server(tiny_qwen3_vl_moe, logs / "conduit.log", args) as server:
+        client = _client(server)
+        for name, (system, images) in PROBES.items():
+            flush_cache(server.base_url)
+            _assert_same(_chat(client, _conversation(STORE, IMAGES)), want["store"])
+            before = mmkv_stats(server.base_url)
+            _assert_same(_chat(client, _conversation(system, images)), want[name])
+            after = mmkv_stats(server.base_url)
+            assert _delta(before, after, "store", "hits") == len(images), name
+            reused = len(images) * TOKENS_PER_IMAGE
+            assert _delta(before, after, "refresh", "reused_tokens") == reused, name
+            assert _delta(before, after, "refresh", "refreshed_tokens") == reused, name
+            assert _delta(before, after, "refresh", "fallbacks") == 0, name
+            assert _delta(before, after, "refresh", "rank_disagreements") == 0, name
