@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import openai
@@ -25,6 +26,7 @@ from sgl_mmkv.launch_server import OMP_BIND_ENV
 from sgl_mmkv.patches.model_parallel_group_cpu import ACTING_LOG_PREFIX
 from sgl_mmkv.radix_cache import ACTIVE_LOG_PREFIX
 from sgl_mmkv.refresh.faults import FAULT_FILE_ENV, STAGES
+from sgl_mmkv.testing.chat import greedy_chat
 from sgl_mmkv.testing.images import make_image, user_message
 from sgl_mmkv.testing.server import (
     CPU_SERVER_ARGS,
@@ -409,3 +411,53 @@ def test_tp2_qwen3_vl_moe_conduit_at_budget_one_answers_as_off(tiny_qwen3_vl_moe
             assert _delta(before, after, "refresh", "refreshed_tokens") == reused, name
             assert _delta(before, after, "refresh", "fallbacks") == 0, name
             assert _delta(before, after, "refresh", "rank_disagreements") == 0, name
+
+
+def _storage_after_writes(server: ServerProcess, writes: int, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = mmkv_stats(server.base_url)["storage"]
+        if stats["writes"] + stats["write_failed"] >= writes or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_tp2_instances_share_file_storage_per_tenant_and_tp1_loads_none(tiny_vlm, tmp_path_factory):
+    """Instance A (TP 2) stores an image under tenant A's salt; instance B (TP 2, the
+    same directory) reuses it for tenant A only; a TP-1 instance on that directory
+    loads none of the TP-2 entries (another layout: its fingerprint and names)."""
+    root = tmp_path_factory.mktemp("tp_storage")
+    args = [
+        *("--mm-reuse", "conduit", "--mm-refresh-budget", "1.0"),
+        *("--mm-segment-storage", "file", "--mm-segment-storage-dir", str(root / "segments")),
+    ]
+    image = make_image(1401)
+
+    def ask(server: ServerProcess, system: str, **extra) -> dict:
+        return greedy_chat(server.base_url, _conversation(system, [image]), **extra)
+
+    with _refresh_server(tiny_vlm, root / "a.log", args) as a:
+        before = mmkv_stats(a.base_url)["storage"]  # the server's warmup wrote its image
+        assert ask(a, "A reads.", cache_salt="tenant-A")["reused"] == 0
+        after = _storage_after_writes(a, before["writes"] + 1)
+        assert after["writes"] - before["writes"] == 1 and after["write_failed"] == 0
+    with _refresh_server(tiny_vlm, root / "b.log", args) as b:
+        before = mmkv_stats(b.base_url)["storage"]
+        assert ask(b, "Nobody's tenant.")["reused"] == 0
+        assert ask(b, "Tenant B.", cache_salt="tenant-B")["reused"] == 0
+        assert ask(b, "Tenant A, in B.", cache_salt="tenant-A")["reused"] == TOKENS_PER_IMAGE
+        assert mmkv_stats(b.base_url)["storage"]["hits"] - before["hits"] == 1
+    tp1 = ServerProcess(
+        "sgl_mmkv.launch_server",
+        tiny_vlm,
+        [*REFRESH_ARGS, *args, *CPU_SERVER_ARGS],
+        log_path=root / "c.log",
+        env=_env(None),
+        cwd=REPO,
+    )
+    with tp1 as c:
+        before = mmkv_stats(c.base_url)["storage"]
+        assert ask(c, "Tenant A at TP 1.", cache_salt="tenant-A")["reused"] == 0
+        after = mmkv_stats(c.base_url)["storage"]
+        assert after["hits"] == before["hits"] and after["lookups"] - before["lookups"] == 1
