@@ -1,6 +1,7 @@
 """``refresh/rank_agreement.py`` over two real gloo ranks (``torch.multiprocessing``):
-the ranks' statistics averaged so that a scorer picks the same tokens on both,
-plan signatures and failure flags agreed, and nothing run at TP 1.
+the parts of the ranks' statistics summed so that a scorer picks on both what it
+picks at TP 1 over every head, plan signatures and failure flags agreed, and
+nothing run at TP 1.
 
 Each scenario runs in both ranks and returns what each rank saw; the assertions
 are made here on both results.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from sgl_mmkv.refresh.rank_agreement import (
 )
 from sgl_mmkv.refresh.selection import TokenSelector
 from sgl_mmkv.scoring import ScoringInputs, make_refresh_scorer
+from sgl_mmkv.scoring.base import LayerInputs
 
 WORLD = 2
 
@@ -35,6 +38,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, results) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         group = dist.group.WORLD
@@ -63,40 +67,94 @@ def ranks() -> dict:
     return {name: [got[r][name] for r in range(WORLD)] for name in SCENARIOS}
 
 
-def _inputs(rank: int) -> ScoringInputs:
-    """A request of two 8-token images whose per-layer statistics (2 layers) each rank
-    computed over its own heads: rank 0 favours the first image, rank 1 the second."""
-    gen = torch.Generator().manual_seed(rank)
-    stats = torch.rand(2, 16, generator=gen)
-    stats[:, 8 * rank : 8 * rank + 8] += 1.0
+SPANS = ((2, 10), (10, 18))  # two 8-token images in a row of 22 tokens
+PROBES = torch.tensor([6, 14])  # staleprobe's probes, one per image
+
+
+def _layer(layer: int, rank: int | None) -> LayerInputs:
+    """One layer as TP 1 (``rank`` None: both KV heads) or a rank (its KV head and its
+    two query heads) holds it. The keys are equal, so every visual token gets the same
+    attention mass; V of the first image is large on head 0 alone (norms 3 and ~0),
+    of the second on both heads (2 and 2): each rank alone favours another image, the
+    ranks' mean of norms favours the second (2 > 1.5), the norm over both heads the
+    first (3 > 2.83)."""
+    g = torch.Generator().manual_seed(layer)
+    queries = torch.randn(4, 4, 8, generator=g)
+    values = 0.01 * torch.randn(22, 2, 8, generator=g)
+    values[2:10, 0, 0] += 3.0
+    values[10:18, :, 0] += 2.0
+    heads = slice(0, 2) if rank is None else slice(rank, rank + 1)
+    return LayerInputs(
+        layer=layer,
+        queries=queries[:, 2 * heads.start : 2 * heads.stop],
+        keys=torch.zeros(22, 2, 8)[:, heads],
+        query_positions=torch.arange(18, 22),
+        visual_positions=torch.arange(2, 18),
+        visual_values=values[2:18, heads],
+    )
+
+
+def _kv(layer: int, rank: int | None) -> tuple[torch.Tensor, ...]:
+    """The probes' stale and fresh ``(2, H, d)`` K/V at one layer, as :func:`_layer`."""
+    g = torch.Generator().manual_seed(100 + layer)
+    kv = [torch.randn(2, 2, 8, generator=g) for _ in range(2)]
+    fresh = [x + torch.rand(2, 2, 1, generator=g) * torch.randn(2, 2, 8, generator=g) for x in kv]
+    heads = slice(0, 2) if rank is None else slice(rank, rank + 1)
+    return tuple(x[:, heads] for x in (*kv, *fresh))
+
+
+def _inputs(scorer, rank: int | None, parts: bool) -> ScoringInputs:
+    """A request as the scoring pass hands it over: 2 layers of ``scorer``'s statistics
+    (``parts``: this rank's parts) and staleprobe's probe deviations."""
+    if parts:
+        stats = torch.stack([scorer.layer_parts(_layer(i, rank)) for i in (0, 1)])
+        probes = torch.stack([scorer.deviation_parts(*_kv(i, rank)) for i in (0, 1)])
+    else:
+        stats = torch.stack([scorer.layer_statistic(_layer(i, rank)) for i in (0, 1)])
+        probes = torch.stack([scorer.deviation(*_kv(i, rank)) for i in (0, 1)])
     return ScoringInputs(
         (),
         (),
         (),
-        torch.tensor([20]),
-        ((2, 10), (10, 18)),
+        torch.arange(18, 22),
+        SPANS,
         layer_ids=(0, 1),
         layer_statistics=stats,
+        probe_positions=PROBES,
+        probe_deviation=probes,
     )
 
 
+def _unprobed(inputs: ScoringInputs) -> ScoringInputs:
+    """``inputs`` without probes: staleprobe ranks by its layer statistics alone."""
+    return replace(inputs, probe_positions=None, probe_deviation=None)
+
+
 def _pick(rank: int, agreement: RankAgreement) -> dict:
-    scorer = make_refresh_scorer("conduit")
+    """Each rank's own pick (its heads' statistics finished alone), the ranks' mean
+    of their statistics (what they agreed on before), and the pick after the sum of
+    their parts."""
+    scorer = make_refresh_scorer("staleprobe", use_value_norm=True)
     selector = TokenSelector(scorer, 0.25, None, None, agreement)
-    local = scorer.select(_inputs(rank), 0.25)
-    agreed = selector._averaged({0: _inputs(rank)})[0]
+    own = _inputs(scorer, rank, parts=False)
+    (mean_stats,) = agreement.sum([own.layer_statistics])
+    mean = _unprobed(replace(own, layer_statistics=mean_stats / WORLD))
+    before = agreement.collectives
+    agreed = selector._agreed({0: _inputs(scorer, rank, parts=True)})[0]
     return {
-        "local": local.tolist(),
-        "agreed": scorer.select(agreed, 0.25).tolist(),
+        "local": scorer.select(_unprobed(own), 0.25).tolist(),
+        "mean": scorer.select(mean, 0.25).tolist(),
+        "agreed": scorer.select(_unprobed(agreed), 0.25).tolist(),
         "stats": agreed.layer_statistics,
-        "collectives": agreement.collectives,
+        "probes": agreed.probe_deviation,
+        "collectives": agreement.collectives - before,
     }
 
 
-def _mean(rank: int, agreement: RankAgreement) -> dict:
+def _sum(rank: int, agreement: RankAgreement) -> dict:
     a = torch.full((2, 3), float(rank + 1))
     b = torch.arange(4, dtype=torch.float32) * (rank + 1)
-    out = agreement.mean([a, b])
+    out = agreement.sum([a, b])
     return {"out": out, "collectives": agreement.collectives}
 
 
@@ -138,30 +196,37 @@ def _all_of(rank: int, agreement: RankAgreement) -> dict:
 SCENARIOS = {
     "all_of": _all_of,
     "pick": _pick,
-    "mean": _mean,
+    "sum": _sum,
     "flags": _flags,
     "plans": _plans,
     "check": _check,
 }
 
 
-def test_ranks_pick_different_tokens_alone_and_the_same_after_the_mean(ranks):
+def test_ranks_pick_what_tp1_picks_after_the_sum_of_their_parts(ranks):
+    """Staleprobe with the value norm: its layer statistics (mass x value norm) and
+    probe deviations, summed over the ranks as parts in one all-reduce, are TP 1's
+    over both heads; each rank alone, and the ranks' mean of norms, pick otherwise."""
     r0, r1 = ranks["pick"]
-    assert r0["local"] != r1["local"]  # what each rank's own heads pick (the bug)
-    assert r0["agreed"] == r1["agreed"]
-    assert len(r0["agreed"]) == 4  # ceil(0.25 * 16)
-    want = (_inputs(0).layer_statistics + _inputs(1).layer_statistics) / 2
-    torch.testing.assert_close(r0["stats"], want)
-    torch.testing.assert_close(r1["stats"], want)
-    assert r0["collectives"] == r1["collectives"] == 1
+    scorer = make_refresh_scorer("staleprobe", use_value_norm=True)
+    tp1 = _inputs(scorer, None, parts=False)
+    tp1_pick = scorer.select(_unprobed(tp1), 0.25).tolist()
+    assert r0["local"] != r1["local"]  # what each rank's own heads pick
+    assert r0["mean"] == r1["mean"] != tp1_pick  # the ranks' mean of norms: agreed, not TP 1's
+    assert r0["agreed"] == r1["agreed"] == tp1_pick
+    assert max(tp1_pick) < 10  # the first image: its V norm over both heads is larger
+    for r in (r0, r1):
+        torch.testing.assert_close(r["stats"], tp1.layer_statistics, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(r["probes"], tp1.probe_deviation, rtol=1e-6, atol=0.0)
+        assert r["collectives"] == 1  # statistics and probes in one all-reduce
 
 
-def test_mean_is_one_all_reduce_of_every_tensor(ranks):
-    r0, r1 = ranks["mean"]
+def test_sum_is_one_all_reduce_of_every_tensor(ranks):
+    r0, r1 = ranks["sum"]
     for r in (r0, r1):
         a, b = r["out"]
-        torch.testing.assert_close(a, torch.full((2, 3), 1.5))
-        torch.testing.assert_close(b, torch.arange(4, dtype=torch.float32) * 1.5)
+        torch.testing.assert_close(a, torch.full((2, 3), 3.0))
+        torch.testing.assert_close(b, torch.arange(4, dtype=torch.float32) * 3)
         assert r["collectives"] == 1
 
 
@@ -194,16 +259,15 @@ def test_embeddings_are_supplied_only_where_every_rank_holds_them(ranks):
 def test_tp1_runs_no_collective_and_returns_its_inputs():
     single = RankAgreement()
     t = torch.ones(3)
-    assert single.mean([t])[0] is t
+    assert single.sum([t])[0] is t
     assert single.any_failed(True) is True and single.any_failed(False) is False
     assert single.plans([5, 6], 2, False) == ([True, True], False)
     assert single.all_of([True, False]) == [True, False]
     with pytest.raises(ValueError, match="boom"):
         single.check(ValueError("boom"), "copy")  # the error itself, as before
-    inputs = {0: _inputs(0)}
-    assert (
-        TokenSelector(make_refresh_scorer("conduit"), 0.25, None, None)._averaged(inputs) is inputs
-    )
+    scorer = make_refresh_scorer("staleprobe")
+    inputs = {0: _inputs(scorer, None, parts=False)}
+    assert TokenSelector(scorer, 0.25, None, None)._agreed(inputs) is inputs
     assert single.collectives == 0
     assert RankAgreement.of_tp_group().world_size == 1  # no SGLang group here
 

@@ -58,9 +58,13 @@ class LayerStatistics:
         scorer: a scorer with a :meth:`~sgl_mmkv.scoring.TokenScorer.layer_reduction`.
         rows: request index in the pass -> its :class:`ReducedRow`.
         project_queries: MM-ShiftKV's ``q_proj`` (set by the observer if None).
+        partial: keep ``scorer.layer_parts`` (this tensor-parallel rank's additive parts
+            over its heads, ``(P, ..., N_v)``), to be summed over the ranks and
+            finished, instead of the statistic.
 
     Attributes:
-        statistics: request -> layer -> ``(..., N_v)`` float32 on the pool's device.
+        statistics: request -> layer -> ``(..., N_v)`` float32 on the pool's device
+            (``(P, ..., N_v)`` parts if ``partial``).
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class LayerStatistics:
         scorer: TokenScorer,
         rows: dict[int, ReducedRow],
         project_queries: Callable | None = None,
+        partial: bool = False,
     ) -> None:
         reduction = scorer.layer_reduction()
         if reduction is None:
@@ -76,6 +81,7 @@ class LayerStatistics:
         self.reduction = reduction
         self.rows = rows
         self.project_queries = project_queries
+        self.partial = partial
         self.statistics: dict[int, dict[int, torch.Tensor]] = {}
         self._last = {i: row.last_position for i, row in rows.items()}
         self._placed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -132,11 +138,13 @@ class LayerStatistics:
             hidden_stats=hidden_stats,
             project_queries=self.project_queries,
         )
-        self.statistics.setdefault(i, {})[layer_id] = self.scorer.layer_statistic(layer)
+        reduce = self.scorer.layer_parts if self.partial else self.scorer.layer_statistic
+        self.statistics.setdefault(i, {})[layer_id] = reduce(layer)
 
     def inputs(self, i: int, device: torch.device) -> ScoringInputs:
         """What the scorer's ``select`` / ``ranking`` reads of request ``i``: the
-        stacked statistics of its reduced layers, no queries and no row."""
+        stacked statistics of its reduced layers, no queries and no row (``partial``:
+        their ``(L, P, ..., N_v)`` parts, which the selector sums and finishes)."""
         row = self.rows[i]
         per_layer = self.statistics.get(i, {})
         layers = tuple(sorted(per_layer))

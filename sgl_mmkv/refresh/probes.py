@@ -6,7 +6,9 @@ over the stale row like the fresh tokens; the probes keep their new K/V (those t
 scorer then picks run again in the refresh pass). Their K/V of every layer is copied
 before the pass (``(m, H_kv, d)`` per layer, ``m`` probes per request) and compared
 with what the pass wrote, through the scorer's ``deviation``: ``(L, m)`` per request
-(:attr:`ScoringInputs.probe_deviation`).
+(:attr:`ScoringInputs.probe_deviation`); at ``--tp-size`` > 1 its ``deviation_parts``
+over the rank's heads, ``(L, P, m)``, which the selector sums over the ranks and
+finishes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def probe_rows(plan: RequestPlan, scorer: TokenScorer) -> torch.Tensor:
 class ProbePass:
     """The probes of one extend forward.
 
+    Args:
+        scorer: the scorer that names the spans to probe and compares their K/V.
+        partial: compare through ``scorer.deviation_parts`` (a tensor-parallel rank's
+            parts over its heads) instead of ``scorer.deviation``.
+
     Attributes:
         rows: request index -> ``(m,)`` host row positions of its probes (requests
             without probes are absent).
@@ -42,8 +49,9 @@ class ProbePass:
             :meth:`keep_stale`.
     """
 
-    def __init__(self, ctx: ExtendContext, scorer: TokenScorer) -> None:
+    def __init__(self, ctx: ExtendContext, scorer: TokenScorer, partial: bool = False) -> None:
         self.scorer = scorer
+        self.partial = partial
         self.rows: dict[int, torch.Tensor] = {}
         for plan in ctx.plans:
             rows = probe_rows(plan, scorer) if plan.spans else torch.empty(0, dtype=torch.long)
@@ -71,14 +79,16 @@ class ProbePass:
 
     def deviation(self, ctx: ExtendContext, plan: RequestPlan) -> torch.Tensor | None:
         """``(L, m)`` float32 on the pool's device: the scorer's ``deviation`` of each
-        probe's K/V now from its stale copy, per layer; None without probes."""
+        probe's K/V now from its stale copy, per layer (``partial``: ``(L, P, m)``
+        ``deviation_parts``); None without probes."""
         rows = self.rows.get(plan.index)
         if rows is None:
             return None
         pool, slots = ctx.model_runner.token_to_kv_pool, self.slots[plan.index]
         scales = scales_of(ctx.model_runner)
+        deviate = self.scorer.deviation_parts if self.partial else self.scorer.deviation
         per_layer = [
-            self.scorer.deviation(*stale, *kv_at(pool, layer, slots, scales))
+            deviate(*stale, *kv_at(pool, layer, slots, scales))
             for layer, stale in enumerate(self.stale[plan.index])
         ]
         return torch.stack(per_layer)

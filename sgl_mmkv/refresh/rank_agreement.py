@@ -17,9 +17,10 @@ SGLang's TP group (``get_tp_group()``):
 - :meth:`RankAgreement.any_failed`: one int all-reduce (MAX) over the CPU group at a
   stage boundary (before each pass, and at the end): a failure on one rank makes
   every rank answer the batch as stock;
-- :meth:`RankAgreement.mean`: one float32 all-reduce (SUM, then / N) over the device
-  group (NCCL on CUDA, gloo on the CPU) of every request's statistics flattened
-  into one tensor: the ranks' mean, the same on every rank;
+- :meth:`RankAgreement.sum`: one float32 SUM all-reduce over the device group (NCCL
+  on CUDA, gloo on the CPU) of every request's statistic parts flattened into one
+  tensor: each rank's parts over its own heads become the parts over every head
+  (``scoring/head_parts.py``), the same on every rank;
 - :meth:`RankAgreement.all_of`: one int64 all-reduce (MIN) over the CPU group of a
   flag per image: stored embeddings replace the (TP-sharded) vision tower only where
   every rank holds them.
@@ -153,18 +154,17 @@ class RankAgreement:
         self._all_reduce(values, dist.ReduceOp.MIN, self.cpu_group)
         return [bool(v) for v in values.tolist()]
 
-    def mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each of ``tensors`` (any shapes, one device) averaged over the ranks: one
-        SUM all-reduce of them flattened into one float32 tensor over the device
-        group, divided by the world size. Returns float32 tensors of the same shapes.
-        A per-rank mean over its heads becomes the mean over every head; a per-rank
-        norm becomes the mean of the ranks' norms (equal on every rank, not the
-        norm over every head)."""
+    def sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of ``tensors`` (any shapes, one device) summed over the ranks: one SUM
+        all-reduce of them flattened into one float32 tensor over the device group.
+        Returns float32 tensors of the same shapes. A rank's additive parts of a
+        statistic over its own heads (a scorer's ``layer_parts`` or
+        ``deviation_parts``) become the parts over every head, which the scorer
+        finishes into the statistic one rank holding every head computes."""
         if not self.active or not tensors:
             return tensors
         flat = torch.cat([t.float().reshape(-1) for t in tensors])
         self._all_reduce(flat, dist.ReduceOp.SUM, self.device_group)
-        flat /= self.world_size
         out, at = [], 0
         for t in tensors:
             out.append(flat[at : at + t.numel()].view(t.shape))

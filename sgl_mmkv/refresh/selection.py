@@ -10,7 +10,10 @@ a copy of the row instead. CacheBlend (one layer) and the oracle (every layer)
 recompute the whole extend once and compare the K/V of their layers at the reused
 tokens, copied before and after, with the stale KV copied back. Position-only
 methods need no pass. Scorers see a row with holes through its :class:`RowView`
-(compacted positions); their picks are mapped back to row positions.
+(compacted positions); their picks are mapped back to row positions. At
+``--tp-size`` > 1 each rank keeps the additive parts of these statistics over its
+own KV heads; one all-reduce sums them and the scorer finishes them into the
+statistics of every head (:meth:`TokenSelector._agreed`), before any top-k.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class TokenSelector:
                 i: [kv_at(pool, layer, s, scales) for layer in layers] for i, s in slots.items()
             }
         elif self.scorer.needs_attention:
-            probes = ProbePass(ctx, self.scorer)
+            probes = ProbePass(ctx, self.scorer, partial=self.agreement.active)
             active = [scoring_rows(p.fresh_mask()) | probes.mask(p) for p in ctx.plans]
             prepared.capture = self._capture(ctx, active)
             probes.keep_stale(ctx)
@@ -119,8 +122,8 @@ class TokenSelector:
     def select(self, ctx: ExtendContext, prepared: Prepared | None = None) -> Selection:
         """The scorer's pick of each request's reused image tokens at the budget. At
         TP > 1 the ranks agree after the pass (:meth:`RankAgreement.any_failed`) and
-        average the statistics the picks read (:meth:`RankAgreement.mean`), so every
-        rank picks the same tokens."""
+        sum the parts of the statistics the picks read (:meth:`RankAgreement.sum`),
+        so every rank picks what TP 1 picks."""
         if prepared is None:
             prepared = self.prepare(ctx)
         if self.scorer.needs_fresh_kv:
@@ -138,23 +141,30 @@ class TokenSelector:
         except Exception as caught:
             error = caught
         self.agreement.check(error, "scoring")
-        inputs = self._averaged(inputs)
+        inputs = self._agreed(inputs)
         selected = [self._pick(ctx, p, inputs[p.index]) if p.spans else None for p in ctx.plans]
         fault_point("selection")
         return Selection(self._filled(ctx, selected), output)
 
-    def _averaged(self, inputs: dict[int, ScoringInputs]) -> dict[int, ScoringInputs]:
-        """Every request's ``layer_statistics`` and ``probe_deviation`` averaged over
-        the TP ranks (each computed them over its own KV heads), in one all-reduce;
-        as they are at TP 1."""
+    def _agreed(self, inputs: dict[int, ScoringInputs]) -> dict[int, ScoringInputs]:
+        """At TP > 1, every request's ``layer_statistics`` and ``probe_deviation`` (this
+        rank's parts over its KV heads, ``(L, P, ..., N)``) summed over the ranks in
+        one all-reduce and finished by the scorer: the statistics of every head, as
+        TP 1 computes them. At TP 1 ``inputs`` themselves."""
         if not self.agreement.active:
             return inputs
-        names = ("layer_statistics", "probe_deviation")
-        where = [(i, n) for i in sorted(inputs) for n in names if getattr(inputs[i], n) is not None]
-        means = self.agreement.mean([getattr(inputs[i], n) for i, n in where])
+        finish = {
+            "layer_statistics": self.scorer.finish_layers,
+            "probe_deviation": self.scorer.finish_deviation,
+        }
+        where = [
+            (i, n) for i in sorted(inputs) for n in finish if getattr(inputs[i], n) is not None
+        ]
+        sums = self.agreement.sum([getattr(inputs[i], n) for i, n in where])
         out = dict(inputs)
-        for (i, name), mean in zip(where, means, strict=True):
-            out[i] = replace(out[i], **{name: mean})
+        for (i, name), parts in zip(where, sums, strict=True):
+            if parts.shape[0]:  # no layer reduced: (0, N_v), nothing to finish
+                out[i] = replace(out[i], **{name: finish[name](parts)})
         return out
 
     def _capture(self, ctx: ExtendContext, active: list[torch.Tensor]) -> QueryCapture:
@@ -174,40 +184,44 @@ class TokenSelector:
             reduced[plan.index] = ReducedRow(positions, _spans(ctx, plan))
         if reduction is None:
             return QueryCapture(rows)
-        return QueryCapture(rows, statistics=LayerStatistics(self.scorer, reduced))
+        statistics = LayerStatistics(self.scorer, reduced, partial=self.agreement.active)
+        return QueryCapture(rows, statistics=statistics)
 
     def _select_by_deviation(self, ctx: ExtendContext, prepared: Prepared) -> list[torch.Tensor]:
         """CacheBlend's signal (and the oracle's): the whole extend recomputed once (as
         costly as a full prefill; the paper's layer-by-layer shrinking is not done),
         the K/V of the scorer's layers at the reused tokens compared with the stale
         ones (copied before, ``(N_v, H_kv, d)`` per layer, :meth:`prepare`), then the
-        stale KV restored for the refresh pass. At TP > 1 the ``(L, N_v)`` deviations
-        are averaged over the ranks before the pick."""
+        stale KV restored for the refresh pass. At TP > 1 each rank compares its KV
+        heads' ``deviation_parts`` (``(L, P, N_v)``), summed over the ranks and
+        finished into the ``(L, N_v)`` deviations of every head before the pick."""
         pool, scales = ctx.model_runner.token_to_kv_pool, scales_of(ctx.model_runner)
         layers = self.scorer.deviation_layers(pool.layer_num)
         slots, stale = prepared.slots, prepared.stale
         whole = [~p.hole_mask() for p in ctx.plans]
         self.counters.executed_flops += ctx.pass_flops(whole)
         run_pass(ctx, whole)
+        partial = self.agreement.active
+        deviate = self.scorer.deviation_parts if partial else self.scorer.deviation
         deviations, error = {}, None
         try:
             for plan in ctx.plans:
                 if plan.spans:
                     deviations[plan.index] = torch.stack(
                         [
-                            self.scorer.deviation(
-                                *kv, *kv_at(pool, layer, slots[plan.index], scales)
-                            )
+                            deviate(*kv, *kv_at(pool, layer, slots[plan.index], scales))
                             for layer, kv in zip(layers, stale[plan.index], strict=True)
                         ]
                     )
         except Exception as caught:
             error = caught
         self.agreement.check(error, "scoring")
-        order = sorted(deviations)
-        averaged = dict(
-            zip(order, self.agreement.mean([deviations[i] for i in order]), strict=True)
-        )
+        if partial:
+            order = sorted(deviations)
+            sums = self.agreement.sum([deviations[i] for i in order])
+            deviations = {
+                i: self.scorer.finish_deviation(p) for i, p in zip(order, sums, strict=True)
+            }
         selected = []
         for plan in ctx.plans:
             if not plan.spans:
@@ -220,7 +234,7 @@ class TokenSelector:
                 query_positions=torch.empty(0, dtype=torch.long),
                 image_spans=_spans(ctx, plan),
                 layer_ids=layers,
-                layer_statistics=averaged[plan.index],
+                layer_statistics=deviations[plan.index],
                 device=ctx.device,
             )
             selected.append(self._pick(ctx, plan, inputs))

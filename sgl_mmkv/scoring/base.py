@@ -17,6 +17,12 @@ reduces each layer as it runs (:meth:`TokenScorer.layer_statistic` over a
 ``(L, ..., N_v)`` statistics over in :attr:`ScoringInputs.layer_statistics`,
 instead of every layer's queries and row. ``score`` of whole-row inputs is the
 reference: it runs the same ``layer_statistic`` layer by layer.
+
+At ``--tp-size`` > 1 each rank holds some of the heads, so a pass computes the
+statistics' additive parts over them instead (:meth:`TokenScorer.layer_parts`,
+:meth:`TokenScorer.deviation_parts`); the ranks sum the parts and the scorer
+finishes them (:meth:`TokenScorer.finish_layers`, :meth:`TokenScorer.finish_deviation`)
+into what one rank holding every head computes (:mod:`sgl_mmkv.scoring.head_parts`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+from sgl_mmkv.scoring import head_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +276,36 @@ class TokenScorer(ABC):
         """``(..., N_v)`` float32 statistic of one layer (same shape for every layer);
         no host sync. Defined when :meth:`layer_reduction` is."""
         raise NotImplementedError(f"{self.name} has no per-layer reduction")
+
+    def layer_parts(self, layer: LayerInputs) -> torch.Tensor:
+        """``(P, ..., N_v)`` float32 additive parts of :meth:`layer_statistic` over the
+        heads in ``layer`` (one tensor-parallel rank's), to be summed over the ranks and
+        finished by :meth:`finish_layers`. Default: the statistic and a count of 1,
+        whose finish is the ranks' mean (exact for a mean over heads, every rank
+        holding as many heads)."""
+        return head_parts.mean_parts(self.layer_statistic(layer), 1)
+
+    def finish_layers(self, parts: torch.Tensor) -> torch.Tensor:
+        """``(L, ..., N_v)`` statistics over every head from ``(L, P, ..., N_v)``
+        :meth:`layer_parts` summed over the ranks."""
+        return head_parts.finish_mean(parts)
+
+    def deviation_parts(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        fresh_keys: torch.Tensor,
+        fresh_values: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(P, N)`` float32 additive parts of ``deviation`` over the heads of the
+        ``(N, H_kv, d)`` stale and fresh K/V (one rank's), for a scorer that compares
+        them (``needs_fresh_kv``, or one that probes)."""
+        raise NotImplementedError(f"{self.name} compares no fresh K/V")
+
+    def finish_deviation(self, parts: torch.Tensor) -> torch.Tensor:
+        """``(L, N)`` ``deviation`` per layer over every head from ``(L, P, N)``
+        :meth:`deviation_parts` summed over the ranks."""
+        raise NotImplementedError(f"{self.name} compares no fresh K/V")
 
     def statistics(self, inputs: ScoringInputs, last_position: int | None = None) -> torch.Tensor:
         """``(L, ..., N_v)``: ``inputs.layer_statistics`` when the pass reduced them,

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from sgl_mmkv.scoring import head_parts
 from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
 
 
@@ -45,6 +46,27 @@ class CacheBlendScorer(TokenScorer):
         K/V of the visual tokens at one layer."""
         dk = (fresh_keys - keys).float().flatten(1).norm(dim=-1)
         return dk + (fresh_values - values).float().flatten(1).norm(dim=-1)
+
+    @staticmethod
+    def deviation_parts(
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        fresh_keys: torch.Tensor,
+        fresh_values: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(2, N_v)`` float32 ``||dK||_2^2`` and ``||dV||_2^2`` over the heads of
+        ``(N_v, H_kv, d)`` stale and fresh K/V (one rank's)."""
+        return torch.cat(
+            [
+                head_parts.distance_parts(keys, fresh_keys),
+                head_parts.distance_parts(values, fresh_values),
+            ]
+        )
+
+    @staticmethod
+    def finish_deviation(parts: torch.Tensor) -> torch.Tensor:
+        """``(L, N_v)`` :meth:`deviation` from ``(L, 2, N_v)`` summed parts."""
+        return parts[:, 0].sqrt() + parts[:, 1].sqrt()
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         """The deviation at :meth:`deviation_layer`; with ``layer_statistics`` (the

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from sgl_mmkv.scoring import head_parts
 from sgl_mmkv.scoring.attention import attention_mass
 from sgl_mmkv.scoring.base import LayerInputs, LayerReduction, ScoringInputs, TokenScorer
 
@@ -102,11 +103,33 @@ class ConduitScorer(TokenScorer):
 
     def layer_statistic(self, layer: LayerInputs) -> torch.Tensor:
         """``(N_v,)`` ``alpha_t^l`` at the visual tokens, times ``||V_t^l||_2`` if asked."""
-        mass = attention_mass(layer.queries, layer.keys, layer.query_positions, layer.key_slots)
-        alpha = mass[layer.visual_positions]
+        alpha = self._mass(layer)
         if self.use_value_norm:
             alpha = alpha * layer.visual_values.float().flatten(1).norm(dim=-1)
         return alpha
+
+    def layer_parts(self, layer: LayerInputs) -> torch.Tensor:
+        """``(2, N_v)``: ``alpha_t^l`` summed over the ``H_q`` query heads in ``layer``,
+        and ``H_q``; ``(3, N_v)`` with the value norm: then ``||V_t^l||_2^2`` over its
+        KV heads."""
+        parts = head_parts.mean_parts(self._mass(layer), layer.queries.shape[1])
+        if self.use_value_norm:
+            parts = torch.cat([parts, head_parts.squares(layer.visual_values)[None]])
+        return parts
+
+    def finish_layers(self, parts: torch.Tensor) -> torch.Tensor:
+        """``(L, N_v)`` :meth:`layer_statistic` from ``(L, 2 or 3, N_v)`` summed parts."""
+        alpha = head_parts.finish_mean(parts[:, :2])
+        if self.use_value_norm:
+            alpha = alpha * parts[:, 2].sqrt()
+        return alpha
+
+    @staticmethod
+    def _mass(layer: LayerInputs) -> torch.Tensor:
+        """``(N_v,)`` float32 ``alpha_t^l``: the mean over the queries and query heads of
+        the attention each visual token receives."""
+        mass = attention_mass(layer.queries, layer.keys, layer.query_positions, layer.key_slots)
+        return mass[layer.visual_positions]
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         scored = self._scored(inputs)

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from sgl_mmkv.scoring import head_parts
 from sgl_mmkv.scoring.base import ScoringInputs, TokenScorer
 
 _EPS = 1e-12
@@ -52,6 +53,27 @@ class OracleScorer(TokenScorer):
             scale = fresh.norm(dim=-1).mean().clamp_min(_EPS)
             terms.append((fresh - stale.float().flatten(1)).norm(dim=-1) / scale)
         return terms[0] + terms[1]
+
+    @staticmethod
+    def deviation_parts(
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        fresh_keys: torch.Tensor,
+        fresh_values: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(4, N_v)`` float32 over the heads of ``(N_v, H_kv, d)`` stale and fresh K/V
+        (one rank's): ``||K~ - K||_2^2``, ``||K~||_2^2``, ``||V~ - V||_2^2``, ``||V~||_2^2``."""
+        return torch.cat(
+            [
+                head_parts.relative_parts(keys, fresh_keys),
+                head_parts.relative_parts(values, fresh_values),
+            ]
+        )
+
+    @staticmethod
+    def finish_deviation(parts: torch.Tensor) -> torch.Tensor:
+        """``(L, N_v)`` :meth:`deviation` per layer from ``(L, 4, N_v)`` summed parts."""
+        return head_parts.finish_relative(parts[:, :2]) + head_parts.finish_relative(parts[:, 2:])
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         """The sum over layers of :meth:`deviation`; with ``layer_statistics`` (the

@@ -71,6 +71,8 @@ class StaleProbeScorer(ProphetKVScorer):
         return tuple(i for i, d in enumerate(deltas) if i == 0 or d != deltas[i - 1])
 
     deviation = staticmethod(OracleScorer.deviation)
+    deviation_parts = staticmethod(OracleScorer.deviation_parts)
+    finish_deviation = staticmethod(OracleScorer.finish_deviation)
 
     def budget_bound(
         self, budget: RefreshBudget, deltas: tuple[int, ...] = (), sizes: tuple[int, ...] = ()
