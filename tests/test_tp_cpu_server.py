@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 
 import openai
@@ -35,6 +34,7 @@ from sgl_mmkv.testing.server import (
     mmkv_stats,
     stock_cpu_env,
 )
+from tests.test_segment_storage_server import _wait_writes
 
 REPO = Path(__file__).resolve().parents[1]
 A, B = make_image(41), make_image(42)
@@ -413,15 +413,6 @@ def test_tp2_qwen3_vl_moe_conduit_at_budget_one_answers_as_off(tiny_qwen3_vl_moe
             assert _delta(before, after, "refresh", "rank_disagreements") == 0, name
 
 
-def _storage_after_writes(server: ServerProcess, writes: int, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = mmkv_stats(server.base_url)["storage"]
-        if stats["writes"] + stats["write_failed"] >= writes or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_tp2_instances_share_file_storage_per_tenant_and_tp1_loads_none(tiny_vlm, tmp_path_factory):
     """Instance A (TP 2) stores an image under tenant A's salt; instance B (TP 2, the
@@ -440,7 +431,7 @@ def test_tp2_instances_share_file_storage_per_tenant_and_tp1_loads_none(tiny_vlm
     with _refresh_server(tiny_vlm, root / "a.log", args) as a:
         before = mmkv_stats(a.base_url)["storage"]  # the server's warmup wrote its image
         assert ask(a, "A reads.", cache_salt="tenant-A")["reused"] == 0
-        after = _storage_after_writes(a, before["writes"] + 1)
+        after = _wait_writes(a, before["writes"] + 1)
         assert after["writes"] - before["writes"] == 1 and after["write_failed"] == 0
     with _refresh_server(tiny_vlm, root / "b.log", args) as b:
         before = mmkv_stats(b.base_url)["storage"]

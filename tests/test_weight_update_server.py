@@ -13,7 +13,6 @@ X, written under its own (the old) weights' identity.
 from __future__ import annotations
 
 import shutil
-import time
 
 import pytest
 import requests
@@ -26,6 +25,7 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     mmkv_stats,
 )
+from tests.test_segment_storage_server import _wait_writes
 
 TOLERANCE = 1e-3
 X, Y, Z = make_image(1301), make_image(1302), make_image(1303)
@@ -44,15 +44,6 @@ def _mmkv_args(storage) -> list[str]:
 def _chat(server, system: str, images: list) -> dict:
     messages = [{"role": "system", "content": system}, user_message("Describe.", images)]
     return greedy_chat(server.base_url, messages)
-
-
-def _wait_writes(server, writes: int, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = mmkv_stats(server.base_url)["storage"]
-        if stats["writes"] + stats["write_failed"] >= writes or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
