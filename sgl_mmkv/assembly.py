@@ -16,7 +16,7 @@ from sgl_mmkv.config import ConfigError, MMKVConfig
 from sgl_mmkv.refresh.embedding_pass import EmbeddingSlot
 from sgl_mmkv.refresh.executor import RefreshExecutor
 from sgl_mmkv.refresh.kv_scales import read_scales
-from sgl_mmkv.refresh.rank_agreement import tp_position
+from sgl_mmkv.refresh.rank_agreement import RankAgreement, tp_position
 from sgl_mmkv.refresh.ranker import VisualRanker, extend_image_spans, fill_spans
 from sgl_mmkv.refresh.row_compaction import RowCompactor
 from sgl_mmkv.refresh.runtime import MMKVRuntime
@@ -61,10 +61,12 @@ def assemble_runtime(
     if config.uses_scored_eviction:
         if config.compresses_at_decode or config.reuses_with_holes:
             decode_budget = config.mm_kv_budget if config.compresses_at_decode else None
-            compactor = RowCompactor(decode_budget, holes=config.reuses_with_holes)
+            compactor = RowCompactor(
+                decode_budget, config.reuses_with_holes, RankAgreement.shared()
+            )
         spans_of = extend_image_spans if config.compresses_at_decode else fill_spans
         scorer = make_eviction_scorer(config.mm_evict)
-        ranker = VisualRanker(scorer, config.mm_kv_budget, spans_of)
+        ranker = VisualRanker(scorer, config.mm_kv_budget, spans_of, RankAgreement.shared())
     slot = EmbeddingSlot()
     kernel_ok = prove_refresh_kernel(kv_pool)
     executor = RefreshExecutor.from_config(

@@ -127,17 +127,6 @@ def check_server_args(config: MMKVConfig, args: Any) -> None:
     shrinking = config.compresses_at_decode or config.reuses_with_holes
     refusals = [
         (
-            args.tp_size > 1 and config.uses_scored_eviction,
-            f"--tp-size {args.tp_size} with --mm-evict {config.mm_evict}: eviction rankings "
-            "are each rank's own (not yet agreed across ranks), so ranks would keep other "
-            "tokens of a segment",
-        ),
-        (
-            args.tp_size > 1 and config.mm_segment_fill == "canonical",
-            f"--tp-size {args.tp_size} with --mm-segment-fill canonical: its fill pass "
-            "depends on each rank's own store (not yet agreed across ranks)",
-        ),
-        (
             args.enable_dp_attention,
             "--enable-dp-attention: attention-DP ranks share the MLP's collectives, so ranks "
             "running different numbers of refresh passes would deadlock in them",

@@ -332,3 +332,96 @@ def test_a_request_planned_differently_on_another_rank_reuses_nothing_on_this_on
     )
     with pytest.raises(PeerFailed, match="^plan$"):  # the other rank failed to plan
         failing._agreed(_two_plans(), 2, None)
+
+
+def _fill(start: int, key: str = "k"):
+    from sgl_mmkv.refresh.plan import FillCandidate
+
+    return FillCandidate(key, start, start + 8, torch.zeros(3, 8, dtype=torch.long))
+
+
+def test_new_images_enter_the_signature_where_they_shape_a_collective():
+    from sgl_mmkv.refresh.plan import RequestPlan
+
+    plain, filling = RequestPlan(0, 0, 20), RequestPlan(0, 0, 20, fills=(_fill(4),))
+    assert plan_signature(plain) == plan_signature(filling)  # a copy fill runs nothing
+    assert plan_signature(plain, with_fills=True) != plan_signature(filling, with_fills=True)
+
+
+@pytest.mark.parametrize("agree_fills", [False, True])
+def test_a_request_whose_new_images_differ_between_ranks_stores_none(agree_fills):
+    """With an eviction ranking or a canonical fill, a request whose new images differ
+    between ranks stores none of them on any rank (a copy fill alone keeps its own)."""
+    from sgl_mmkv.refresh.plan import RequestPlan
+    from sgl_mmkv.refresh.planning import ExtendPlanner
+    from sgl_mmkv.refresh.report import RefreshCounters
+
+    counters = RefreshCounters()
+    scorer = make_refresh_scorer("conduit")
+    planner = ExtendPlanner(
+        None, scorer, 1.0, "always", counters, agreement=_Peers([False]), agree_fills=agree_fills
+    )
+    (plan,) = planner._agreed((RequestPlan(0, 0, 20, fills=(_fill(4),)),), 1, None)
+    assert len(plan.fills) == (0 if agree_fills else 1)
+    assert counters.rank_disagreements == int(agree_fills)
+
+
+class _Reserving:
+    """A segment store that reserves the keys in ``room`` (pinned segments)."""
+
+    def __init__(self, room: set[str]) -> None:
+        from types import SimpleNamespace
+
+        self.room, self.discarded = room, []
+        self.counters = SimpleNamespace(canonical_skipped=0)
+        self._segment = lambda key: SimpleNamespace(key=key, pinned=False)
+
+    def reserve(self, key, size, positions, ranking):
+        return self._segment(key) if key in self.room else None
+
+    def discard(self, key) -> None:
+        self.discarded.append(key)
+
+
+class _Flags(RankAgreement):
+    """Another rank's flags, ANDed with this rank's as :meth:`all_of` would."""
+
+    def __init__(self, other: list[bool]):
+        super().__init__()
+        self.world_size, self.other = 2, other
+
+    def all_of(self, flags):
+        return [a and b for a, b in zip(flags, self.other, strict=True)]
+
+
+def _canonical(store, agreement, error=None):
+    from types import SimpleNamespace
+
+    from sgl_mmkv.refresh.fill import SegmentFiller
+    from sgl_mmkv.refresh.plan import RequestPlan
+
+    filler = SegmentFiller(store, None, "canonical", None, agreement)
+    ran = []
+    filler._run_canonical = lambda ctx, chosen: ran.extend(f.key for _, f, _ in chosen)
+    plan = RequestPlan(0, 0, 40, fills=(_fill(4, "a"), _fill(20, "b")))
+    fills = [(plan, f) for f in plan.fills]
+    out = filler._fill_canonical(SimpleNamespace(), fills, {}, {}, error)
+    return out, ran
+
+
+def test_a_canonical_fill_runs_the_images_every_rank_reserved():
+    store = _Reserving({"a", "b"})
+    out, ran = _canonical(store, _Flags([True, False, True]))  # rank 1 had no room for b
+    assert out is None and ran == ["a"] and store.discarded == ["b"]
+
+
+def test_a_canonical_fill_another_rank_failed_runs_on_no_rank():
+    store = _Reserving({"a", "b"})
+    with pytest.raises(PeerFailed, match="^fill$"):
+        _canonical(store, _Flags([True, True, False]))
+    assert store.discarded == ["a", "b"]  # this rank's reservations given back
+    with pytest.raises(PeerFailed):  # this rank failed earlier in the tail: nothing reserved
+        _canonical(_Reserving({"a", "b"}), _Flags([True, True, True]), RuntimeError("x"))
+    single = _Reserving({"a"})
+    out, ran = _canonical(single, RankAgreement())  # TP 1: b found no room, a runs
+    assert out is None and ran == ["a"] and single.discarded == []

@@ -36,8 +36,8 @@ class _NoCopy:
 
 
 class _NoFill:
-    def fill(self, ctx, rankings) -> None:
-        pass
+    def fill(self, ctx, rankings, error=None):
+        return error
 
 
 def _executor(name: str, budget: float) -> RefreshExecutor:

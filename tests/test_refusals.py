@@ -34,11 +34,6 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]
 # (case, extra flags, what the one-line reason must name)
 FLAG_CASES = [
     ("tensor parallel, KV heads", ["--tp-size", "3"], "--tp-size 3: the model's 2 KV heads"),
-    (
-        "tensor parallel + scored eviction",
-        ["--tp-size", "2", "--mm-evict", "snapkv"],
-        "--tp-size 2 with --mm-evict snapkv",
-    ),
     ("data parallel", ["--dp-size", "2"], "--dp-size 2"),
     ("dp attention", ["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
     ("pipeline parallel", ["--pp-size", "2"], "--pp-size 2"),

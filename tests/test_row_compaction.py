@@ -299,3 +299,57 @@ def test_compaction_waits_for_the_forward_stream_under_overlap_on_a_gpu(monkeypa
         scheduler = SimpleNamespace(enable_overlap=overlap, forward_stream=stream)
         scheduler_run_batch.wait_for_forward(scheduler)
         assert waited == expected
+
+
+class _OtherRankFailed:
+    """A TP-2 agreement whose other rank reports ``peer_failed``."""
+
+    active = True
+
+    def __init__(self, peer_failed: bool) -> None:
+        self.peer_failed, self.flags = peer_failed, []
+
+    def any_failed(self, failed: bool) -> bool:
+        self.flags.append(failed)
+        return failed or self.peer_failed
+
+
+def _extend(reqs):
+    return SimpleNamespace(**vars(_batch(reqs)), forward_mode=ForwardMode.EXTEND)
+
+
+@pytest.mark.parametrize("peer_failed", [False, True])
+def test_at_tp2_another_rank_s_failure_aborts_the_image_requests_here(peer_failed):
+    """Rank 0 compacts its rows; when rank 1 failed (its rows stayed whole), rank 0
+    aborts the batch's live image requests too, so both ranks' schedulers stay in
+    step. The ranks agree once per extend batch with images, never on a decode."""
+    table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64)
+    holed, plain = _request(row=0, delta=0), _request(row=1, delta=0)
+    aborted = []
+    holed.set_finish_with_abort = plain.set_finish_with_abort = aborted.append
+    agreement = _OtherRankFailed(peer_failed)
+    compactor = RowCompactor(None, holes=True, agreement=agreement)
+    compactor.admit(_batch([holed, plain]))
+    compactor.plan_holes(_forward_batch([holed, plain]), [_holed_plan(0, [7, 8])])
+    batch = _extend([holed, plain])
+    compactor.compact(batch, SimpleNamespace(req_to_token=table), RecordingAllocator())
+    assert agreement.flags == [False]
+    assert batch.seq_lens.tolist() == [PROMPT - 2, PROMPT]  # rank 0's own compaction ran
+    assert len(aborted) == (2 if peer_failed else 0)
+    assert compactor.counters.rank_aborts == int(peer_failed)
+    assert plain.skip_radix_cache_insert == peer_failed
+    decode = SimpleNamespace(**vars(_batch([holed, plain])), forward_mode=ForwardMode.DECODE)
+    compactor.compact(decode, SimpleNamespace(req_to_token=table), RecordingAllocator())
+    assert agreement.flags == [False]  # no collective on a decode batch
+
+
+def test_at_tp2_a_rank_whose_admission_failed_reports_it():
+    agreement = _OtherRankFailed(peer_failed=False)
+    compactor = RowCompactor(None, holes=True, agreement=agreement)
+    compactor.diverge()
+    req = _request(row=0, delta=0)
+    req.set_finish_with_abort = lambda _: None
+    compactor.compact(_extend([req]), SimpleNamespace(req_to_token=None), None)
+    assert agreement.flags == [True] and compactor.counters.rank_aborts == 1
+    compactor.compact(_extend([req]), SimpleNamespace(req_to_token=None), None)
+    assert agreement.flags == [True, False]  # reported once

@@ -378,6 +378,33 @@ def test_tp2_a_fault_on_rank_1_only_answers_as_stock_on_both(
     assert _delta(before, after, "refresh", "fallbacks") == 0
 
 
+def test_tp2_canonical_fill_and_mmshiftkv_ranking_answer_as_off(
+    tiny_vlm, tmp_path_factory, off_answers
+):
+    """``--mm-segment-fill canonical`` (a pass per batch of new images, the model's
+    all-reduces in it) and ``--mm-evict mmshiftkv`` (each rank's votes over its KV
+    heads, summed before the ranking) at TP 2: the ranks fill and rank the same
+    images, and a reused, fully refreshed request answers as ``off``."""
+    log = tmp_path_factory.mktemp("tp_canonical") / "canonical.log"
+    args = ["--mm-reuse", "conduit", "--mm-refresh-budget", "1.0"]
+    args += ["--mm-segment-fill", "canonical", "--mm-evict", "mmshiftkv"]
+    with _refresh_server(tiny_vlm, log, args) as server:
+        client = _client(server)
+        before = mmkv_stats(server.base_url)
+        _assert_same(_chat(client, _conversation(STORE, IMAGES)), off_answers["store"])
+        filled = mmkv_stats(server.base_url)
+        _assert_same(_chat(client, _conversation(*PROBES["reordered"])), off_answers["reordered"])
+        after = mmkv_stats(server.base_url)
+    assert _delta(before, filled, "store", "fills") == len(IMAGES)
+    assert _delta(before, filled, "store", "ranked_fills") == len(IMAGES)
+    assert _delta(before, filled, "store", "canonical_skipped") == 0
+    assert _delta(filled, after, "store", "hits") == len(IMAGES)
+    reused = len(IMAGES) * TOKENS_PER_IMAGE
+    assert _delta(filled, after, "refresh", "reused_tokens") == reused
+    assert _delta(before, after, "refresh", "fallbacks") == 0
+    assert _delta(before, after, "refresh", "rank_disagreements") == 0
+
+
 @pytest.mark.slow
 def test_tp2_qwen3_vl_moe_conduit_at_budget_one_answers_as_off(tiny_qwen3_vl_moe, tmp_path_factory):
     """Qwen3-VL MoE at TP 2 (experts sharded over the ranks, SGLang's native MoE on the

@@ -13,13 +13,14 @@ pass, one sum, the scorer's finish) runs over the fake extend of
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sgl_mmkv.refresh.rank_agreement import RankAgreement
-from sgl_mmkv.scoring import make_refresh_scorer
+from sgl_mmkv.scoring import ScoringInputs, make_eviction_scorer, make_refresh_scorer
 from sgl_mmkv.scoring.base import LayerInputs
 
 torch.set_num_threads(1)
@@ -181,3 +182,84 @@ def test_the_selector_s_tp_path_picks_what_tp1_picks(name):
         if want.probe_deviation is not None:
             torch.testing.assert_close(got.probe_deviation, want.probe_deviation, rtol=1e-5, atol=0)
     assert (name == "staleprobe") == (tp_seen[0].probe_deviation is not None)
+
+
+# --- eviction rankings at TP 2 -----------------------------------------------------
+#
+# ``--mm-evict`` ranks a new segment's tokens from the prefill; at TP 2 each rank
+# reduces its own heads' parts, the ranker sums them (one all-reduce) and every rank
+# ranks from the same statistics, so both keep the same tokens of every segment.
+
+HIDDEN = 24
+EVICT_BUDGET = 0.5
+
+
+def _evict_layer(seed: int, kv_heads: slice) -> LayerInputs:
+    """:func:`_layer` with what MM-ShiftKV reads too: the attention input's statistics
+    and a ``q_proj`` whose output is the rank's query heads."""
+    layer = _layer(seed, kv_heads)
+    weight = torch.randn(HIDDEN, H_Q * D, generator=torch.Generator().manual_seed(seed + 50))
+    group = H_Q // H_KV
+
+    def project(_layer_id: int, x: torch.Tensor, _positions: torch.Tensor) -> torch.Tensor:
+        return _heads((x @ weight).view(-1, H_Q, D), kv_heads, group)
+
+    stats = (torch.tensor(0.1), torch.tensor(1.3), HIDDEN)
+    # ``layer``: MM-ShiftKV's noise seed, the same on both ranks
+    return replace(layer, layer=seed, hidden_stats=stats, project_queries=project)
+
+
+def _ranking(scorer, statistics: torch.Tensor) -> torch.Tensor:
+    inputs = ScoringInputs(
+        queries=(),
+        keys=(),
+        values=(),
+        query_positions=torch.arange(N - 10, N),
+        image_spans=((int(VISUAL[0]), int(VISUAL[-1]) + 1),),
+        layer_ids=tuple(range(statistics.shape[0])),
+        layer_statistics=statistics,
+    )
+    return scorer.ranking(inputs, EVICT_BUDGET)
+
+
+def _kept(ranking: torch.Tensor) -> set[int]:
+    return set(torch.topk(ranking, ranking.numel() // 2).indices.tolist())
+
+
+def _evict_scorer(name: str):
+    knobs = {"num_samples": 64, "samples_per_group": 8} if name == "mmshiftkv" else {}
+    return make_eviction_scorer(name, **knobs)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "mmshiftkv"])
+def test_eviction_parts_of_two_ranks_rank_as_every_head(name):
+    """SnapKV's and MM-ShiftKV's statistics are sums and means over heads: summed
+    parts rank the visual tokens exactly as one rank holding every head."""
+    scorer = _evict_scorer(name)
+    seeds = (0, 1, 2)
+    want = _ranking(
+        scorer, torch.stack([scorer.layer_statistic(_evict_layer(s, EVERY)) for s in seeds])
+    )
+    ranks = [torch.stack([scorer.layer_parts(_evict_layer(s, h)) for s in seeds]) for h in HALVES]
+    got = _ranking(scorer, scorer.finish_layers(ranks[0] + ranks[1]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert _kept(got) == _kept(want)
+
+
+def test_aircache_ranks_of_two_ranks_agree_and_keep_most_of_tp1_s_tokens():
+    """AirCache's elite set is each rank's own heads' at TP 2 (no collective inside a
+    layer). Ranked alone, the two ranks would keep different tokens; from the summed
+    parts both keep one set, most of what TP 1 keeps at budget 0.5 (0.69 here, on
+    random heads that share no pattern: the printed overlap)."""
+    scorer = _evict_scorer("aircache")
+    seeds = (0, 1, 2)
+    want = _ranking(
+        scorer, torch.stack([scorer.layer_statistic(_evict_layer(s, EVERY)) for s in seeds])
+    )
+    ranks = [torch.stack([scorer.layer_parts(_evict_layer(s, h)) for s in seeds]) for h in HALVES]
+    alone = [_kept(_ranking(scorer, scorer.finish_layers(parts))) for parts in ranks]
+    assert alone[0] != alone[1]
+    got = _ranking(scorer, scorer.finish_layers(ranks[0] + ranks[1]))
+    overlap = len(_kept(got) & _kept(want)) / len(_kept(want))
+    print(f"aircache TP-2 keep set overlap with TP 1: {overlap:.3f}")
+    assert overlap >= 0.6

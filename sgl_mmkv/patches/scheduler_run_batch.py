@@ -32,6 +32,7 @@ def run_batch_with_row_compaction(original, scheduler: Any, batch: Any, *args, *
     try:
         compactor.admit(batch)
     except Exception as error:  # admitting nobody: every row position is computed
+        compactor.diverge()
         logger.warning("sgl_mmkv: row compaction admission failed (%r)", error)
     result = original(scheduler, batch, *args, **kwargs)
     try:

@@ -132,10 +132,11 @@ class RefreshExecutor:
                 row_compactor,
                 slot,
                 agreement,
+                agree_fills=ranker is not None or config.mm_segment_fill == "canonical",
             ),
             copier,
             TokenSelector(scorer, budget, copier, counters, agreement),
-            SegmentFiller(store, counters, config.mm_segment_fill, compress),
+            SegmentFiller(store, counters, config.mm_segment_fill, compress, agreement),
             ReuseReporter(scorer.name, counters, config.mm_report_reuse, on_forward),
             counters,
             ranker,
@@ -172,7 +173,19 @@ class RefreshExecutor:
         out = run_whole(ctx, observer)
         self.counters.executed_flops += ctx.full_flops()
         try:
-            self._finish(ctx, out, observer, None, None, 0.0)
+            error = None
+            try:
+                self._finish(ctx, out, observer, None, None, 0.0)
+            except PeerFailed:
+                raise
+            except Exception as caught:
+                error = caught
+            # at TP > 1, a batch with images: every rank recovers, or none (what the
+            # rows shrink by after the forward stays the same on every rank)
+            if any(m is not None for m in ctx.forward_batch.mm_inputs or ()):
+                self.agreement.check(error, "finish")
+            elif error is not None:
+                raise error
         except Exception as error:
             self.recover(ctx.forward_batch, error)
         return out
@@ -209,12 +222,18 @@ class RefreshExecutor:
             with phase(self.counters, "refresh", ctx.embeddings):
                 self.counters.executed_flops += ctx.pass_flops(active)
                 out = run_pass(ctx, active, observer=observer)
+        error = None
         try:
             fault_point("refresh")
             if self.row_compactor is not None:
                 self.row_compactor.plan_holes(ctx.forward_batch, list(ctx.plans))
-            self._finish(ctx, out, observer, active, selected, started)
+        except Exception as caught:
+            error = caught
+        try:
+            self._finish(ctx, out, observer, active, selected, started, error)
             error = None
+        except PeerFailed:
+            raise  # every rank raised it, at the same stage check of the tail
         except Exception as caught:
             error = caught
         # every rank returns this output, or every rank answers as stock
@@ -238,34 +257,50 @@ class RefreshExecutor:
             active.append(refresh_rows(plan, fresh, chosen, computed, skip))
         return active
 
-    def _finish(self, ctx: ExtendContext, out, observer, active, selected, started) -> None:
-        """Rank the observed images, store the new ones, count the forward."""
-        rankings = self._rank(ctx, observer, active)
-        fault_point("ranking")
+    def _finish(
+        self, ctx: ExtendContext, out, observer, active, selected, started, error=None
+    ) -> None:
+        """Rank the observed images, store the new ones, count the forward; raises
+        ``error`` (this rank's failure earlier in the tail) or its own. At TP > 1 the
+        ranks pass the tail's stage checks in one order whatever failed where: a
+        failed rank carries its error to the next check (``ranking`` when images are
+        ranked, the canonical fill's before its pass), where every rank raises
+        :class:`PeerFailed`."""
+        rankings, error = self._rank(ctx, observer, active, error)
         with phase(self.counters, "fill", ctx.embeddings):
-            self.filler.fill(ctx, rankings)
+            error = self.filler.fill(ctx, rankings, error)
+        if error is not None:
+            raise error
         seconds = 0.0 if selected is None else time.perf_counter() - started
         self.reporter.report(ctx, selected, out, seconds)
 
-    def _rank(self, ctx: ExtendContext, observer, active) -> dict[SegmentKey, torch.Tensor] | None:
-        """Rank the observed images once, for the store's new segments (returned,
-        content key -> ``(n,)``) and for decode-time compression (handed over)."""
+    def _rank(
+        self, ctx: ExtendContext, observer, active, error: BaseException | None
+    ) -> tuple[dict[SegmentKey, torch.Tensor] | None, BaseException | None]:
+        """Rank the observed images once, for the store's new segments (content key
+        -> ``(n,)``) and for decode-time compression (handed over); with the error
+        carried on (``error``, or this stage's own)."""
         if observer is None:
-            return None
+            return None, error if error is not None else _fault("ranking")
         started = time.perf_counter()
         plans = list(ctx.plans)
         ranked: dict[int, dict[Span, torch.Tensor]] = self.ranker.rank_batch(
-            observer, ctx.model_runner, ctx.forward_batch, plans, active, list(ctx.views)
+            observer, ctx.model_runner, ctx.forward_batch, plans, active, list(ctx.views), error
         )
         self.counters.ranking_seconds += time.perf_counter() - started
-        if self.row_compactor is not None:
-            self.row_compactor.plan(ctx.forward_batch, plans, ranked)
-        return {
+        try:
+            fault_point("ranking")
+            if self.row_compactor is not None:
+                self.row_compactor.plan(ctx.forward_batch, plans, ranked)
+        except Exception as caught:
+            return None, caught
+        rankings = {
             fill.key: ranked[plan.index][(fill.start, fill.end)]
             for plan in plans
             for fill in plan.fills
             if (fill.start, fill.end) in ranked.get(plan.index, {})
         }
+        return rankings, None
 
     def recover(self, forward_batch, error: BaseException) -> None:
         """After our path failed mid-forward: no row compaction stays planned for the
@@ -280,6 +315,15 @@ class RefreshExecutor:
             forward_batch.rids,
             exc_info=error if self.counters.fallbacks == 1 else None,  # the first in full
         )
+
+
+def _fault(stage: str) -> BaseException | None:
+    """The fault injected at ``stage`` (tests), as an error to carry; None if none."""
+    try:
+        fault_point(stage)
+    except Exception as caught:
+        return caught
+    return None
 
 
 def _answer_as_stock(run_extend: Callable, forward_batch, ctx: ExtendContext | None):

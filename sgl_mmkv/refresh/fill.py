@@ -11,6 +11,11 @@ carries the ranking of its tokens, and with ``--mm-compress-at fill`` it is
 compressed at once. Each new segment keeps its image's vision-encoder output as the
 forward's embedding build captured it (``refresh/segment_embeddings.py``), and a
 segment reused without one (loaded from an entry that had none) gets it then.
+
+At ``--tp-size`` > 1 the canonical pass runs the model's all-reduces, so every rank
+runs it over the same images: the candidates come from the agreed plans, and one
+MIN all-reduce of a flag per candidate (its store slots reserved) and a failure flag
+keeps the images every rank reserved, or sends every rank to stock.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from sgl_mmkv.refresh.attention_backend import GroupLocalAttentionBackend
 from sgl_mmkv.refresh.context import ExtendContext
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.passes import run_pass
+from sgl_mmkv.refresh.rank_agreement import PeerFailed, RankAgreement
 from sgl_mmkv.segments.key import SegmentKey
 from sgl_mmkv.segments.store import SegmentStore
 
@@ -32,6 +38,7 @@ class SegmentFiller:
     fill_policy: ``first`` or ``canonical``.
     compress_budget: compress each ranked segment to this budget as soon as it is
         stored (``--mm-compress-at fill``); None keeps it whole.
+    agreement: the TP ranks' agreement (a no-op at TP 1).
     """
 
     def __init__(
@@ -40,31 +47,62 @@ class SegmentFiller:
         counters,
         fill_policy: str = "first",
         compress_budget: float | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
         self.store = store
         self.counters = counters
         self.fill_policy = fill_policy
         self.compress_budget = compress_budget
+        self.agreement = agreement or RankAgreement()
 
-    def fill(self, ctx: ExtendContext, rankings: dict[SegmentKey, torch.Tensor] | None) -> None:
+    def fill(
+        self,
+        ctx: ExtendContext,
+        rankings: dict[SegmentKey, torch.Tensor] | None,
+        error: BaseException | None = None,
+    ) -> BaseException | None:
         """Store the batch's new images, each with its eviction ranking from
         ``rankings`` (content key -> ``(n,)``) when it has one. ``canonical`` needs
         the token before the image in this extend; an image without it is not
-        stored (``store.canonical_skipped``)."""
+        stored (``store.canonical_skipped``).
+
+        ``error``: this rank's failure earlier in the tail: nothing is stored, but the
+        canonical pass's stage check still runs. Returns the error to carry on (that
+        one, or this stage's own); raises :class:`PeerFailed` on every rank if any
+        rank failed before the canonical pass."""
         rankings = rankings or {}
-        embeddings = ctx.embedding_slot.take_captured()
-        canonical = []
-        for plan in ctx.plans:
-            for fill in plan.fills:
-                if self.fill_policy != "canonical":
-                    self._copy_fill(ctx, plan, fill, rankings, embeddings.get(fill.key))
-                elif fill.start > plan.prefix_len:
-                    canonical.append((plan, fill))
-                else:
-                    self.store.counters.canonical_skipped += 1
+        canonical = [
+            (plan, fill)
+            for plan in ctx.plans
+            for fill in plan.fills
+            if self.fill_policy == "canonical" and fill.start > plan.prefix_len
+        ]
+        embeddings = {}
+        if error is None:
+            try:
+                embeddings = ctx.embedding_slot.take_captured()
+                for plan in ctx.plans:
+                    for fill in plan.fills:
+                        if self.fill_policy != "canonical":
+                            self._copy_fill(ctx, plan, fill, rankings, embeddings.get(fill.key))
+                        elif fill.start <= plan.prefix_len:
+                            self.store.counters.canonical_skipped += 1
+            except Exception as caught:
+                error = caught
         if canonical:
-            self._fill_canonical(ctx, canonical, rankings, embeddings)
-        for key, rows in embeddings.items():  # segments that had none (an older entry)
+            error = self._fill_canonical(ctx, canonical, rankings, embeddings, error)
+        if error is not None:
+            return error
+        try:
+            self._finish(embeddings, rankings)
+        except Exception as caught:
+            return caught
+        return None
+
+    def _finish(self, embeddings, rankings) -> None:
+        """Embeddings for segments that had none (an older entry), compression at
+        fill."""
+        for key, rows in embeddings.items():
             segment = self.store.peek(key)
             if segment is not None and segment.embeddings is None:
                 self.store.gain_embeddings(segment, rows)
@@ -84,17 +122,44 @@ class SegmentFiller:
         src = row[fill.start : fill.end].to(torch.long)
         self.store.fill(fill.key, src, fill.positions, ranking, embeddings)
 
-    def _fill_canonical(self, ctx: ExtendContext, fills, rankings, embeddings) -> None:
+    def _fill_canonical(
+        self, ctx: ExtendContext, fills, rankings, embeddings, error: BaseException | None
+    ) -> BaseException | None:
         """One pass over ``[token before the image, image tokens]`` of every fill, each
         group attending to itself only, at the request's positions; the image rows'
-        KV goes straight into fresh store slots. The request's own KV is untouched."""
-        extend_lens = ctx.forward_batch.extend_seq_lens_cpu
-        group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
-        slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
-        reserved = []
-        for plan, fill in fills:
-            lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
-            if group[plan.index][lo - 1] >= 0:  # no token of its own before the image
+        KV goes straight into fresh store slots. The request's own KV is untouched.
+        Returns the error to carry on (raises :class:`PeerFailed` at TP > 1 if any
+        rank failed before the pass)."""
+        reserved: list = [None] * len(fills)
+        if error is None:
+            try:
+                self._reserve(fills, rankings, embeddings, reserved)
+            except Exception as caught:
+                error = caught
+        agreed = self.agreement.all_of([s is not None for s in reserved] + [error is None])
+        if not agreed[-1]:
+            for segment in reserved:
+                if segment is not None:
+                    self.store.discard(segment.key)
+            if self.agreement.active:
+                raise PeerFailed("fill") from error
+            return error
+        for i, ok in enumerate(agreed[:-1]):
+            if reserved[i] is not None and not ok:  # another rank could not reserve it
+                self.store.discard(reserved[i].key)
+                reserved[i] = None
+        pairs = zip(fills, reserved, strict=True)
+        chosen = [(plan, fill, s) for (plan, fill), s in pairs if s is not None]
+        if chosen:
+            self._run_canonical(ctx, chosen)
+        return None
+
+    def _reserve(self, fills, rankings, embeddings, reserved: list) -> None:
+        """Store slots for each of ``fills`` that can be computed alone (``reserved[i]``
+        its pinned segment, None for one skipped or refused)."""
+        grouped: set[tuple[int, int]] = set()  # (request, row) covered by a group
+        for i, (plan, fill) in enumerate(fills):
+            if (plan.index, fill.start - 1) in grouped:  # no token of its own before it
                 self.store.counters.canonical_skipped += 1
                 continue
             segment = self.store.reserve(
@@ -105,11 +170,20 @@ class SegmentFiller:
             segment.pinned = True  # not evicted or compressed before its KV is written
             if fill.key in embeddings:
                 self.store.attach_embeddings(segment, embeddings[fill.key])
+            reserved[i] = segment
+            grouped.update((plan.index, row) for row in range(fill.start - 1, fill.end))
+
+    def _run_canonical(self, ctx: ExtendContext, chosen) -> None:
+        """The canonical pass over ``chosen`` ``(plan, fill, reserved segment)``."""
+        extend_lens = ctx.forward_batch.extend_seq_lens_cpu
+        group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
+        slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
+        reserved = []
+        for plan, fill, segment in chosen:
+            lo, hi = fill.start - plan.prefix_len, fill.end - plan.prefix_len
             reserved.append(segment)
             group[plan.index][lo - 1 : hi] = len(reserved)
             slot[plan.index][lo:hi] = segment.slots.cpu()
-        if not reserved:
-            return
         active = []
         for i, ids in enumerate(group):
             if ids[-1] < 0:  # every request keeps a last row for the logits processor

@@ -15,8 +15,8 @@ finishes each plan in order and freezes the result in an :class:`ExtendContext`:
 4. at ``--tp-size`` > 1, the ranks' plans compared (:meth:`RankAgreement.plans`, one
    small all-reduce in a batch with images): a request planned differently on
    another rank (its store, its L3 tier or a deadline gave another answer) reuses
-   nothing on every rank, and a rank that failed to plan makes every rank answer
-   the batch as stock.
+   nothing on every rank (and, where new images shape a collective, stores none),
+   and a rank that failed to plan makes every rank answer the batch as stock.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class ExtendPlanner:
     compactor: the row compactor, when rows may shrink after their prefill.
     embedding_slot: the process's embedding slot, for the contexts' passes.
     agreement: the TP ranks' agreement (a no-op at TP 1).
+    agree_fills: the ranks compare new images too (an eviction ranking or a canonical
+        fill runs collectives over them); a request whose new images differ between
+        ranks then stores none.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class ExtendPlanner:
         compactor: RowCompactor | None = None,
         embedding_slot: EmbeddingSlot | None = None,
         agreement: RankAgreement | None = None,
+        agree_fills: bool = False,
     ) -> None:
         if gate not in GATES:
             raise ValueError(f"unknown reuse gate {gate!r}; choose one of {', '.join(GATES)}")
@@ -77,6 +81,7 @@ class ExtendPlanner:
         self.compactor = compactor
         self.embedding_slot = embedding_slot or EmbeddingSlot()
         self.agreement = agreement or RankAgreement()
+        self.agree_fills = agree_fills
         self._shape: DecoderShape | None = None
 
     def plan(self, run_extend: Callable, model_runner, forward_batch) -> ExtendContext:
@@ -121,16 +126,19 @@ class ExtendPlanner:
         """``plans`` with every request the ranks planned differently reusing nothing;
         raises on every rank if any failed to plan. Run by every rank for a batch with
         images (``mm_inputs`` is the batch's, the same on every rank)."""
-        signatures = None if plans is None else [plan_signature(p) for p in plans]
+        signatures = None
+        if plans is not None:
+            signatures = [plan_signature(p, self.agree_fills) for p in plans]
         same, failed = self.agreement.plans(signatures, size, error is not None)
         if failed:
             reason = "plan" if error is None else f"plan: {error!r}"
             raise PeerFailed(reason) from error
         agreed = []
         for plan, ok in zip(plans, same, strict=True):
-            if not ok and plan.spans:
+            if not ok and (plan.spans or (self.agree_fills and plan.fills)):
                 self.counters.rank_disagreements += 1
-                plan = replace(plan, spans=(), holes=False)
+                fills = () if self.agree_fills else plan.fills
+                plan = replace(plan, spans=(), holes=False, fills=fills)
             agreed.append(plan)
         return tuple(agreed)
 

@@ -32,6 +32,8 @@ returns its input and runs no collective, so a single rank stays byte-identical.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -178,6 +180,26 @@ class RankAgreement:
         self.seconds += time.perf_counter() - started
 
 
+def summed_inputs(
+    agreement: RankAgreement, inputs: dict[int, Any], finish: dict[str, Callable]
+) -> dict[int, Any]:
+    """At TP > 1, every request's statistics named in ``finish`` (attributes of its
+    :class:`~sgl_mmkv.scoring.ScoringInputs`: this rank's ``(L, P, ..., N)`` parts over
+    its KV heads) summed over the ranks in one all-reduce and finished by
+    ``finish[name]``: the statistics of every head, as TP 1 computes them. At TP 1
+    ``inputs`` themselves. Every rank must hold the same requests and fields (agreed
+    plans)."""
+    if not agreement.active:
+        return inputs
+    where = [(i, n) for i in sorted(inputs) for n in finish if getattr(inputs[i], n) is not None]
+    sums = agreement.sum([getattr(inputs[i], n) for i, n in where])
+    out = dict(inputs)
+    for (i, name), parts in zip(where, sums, strict=True):
+        if parts.shape[0]:  # no layer reduced: (0, N_v), nothing to finish
+            out[i] = replace(out[i], **{name: finish[name](parts)})
+    return out
+
+
 def tp_position() -> tuple[int, int]:
     """``(tp_size, tp_rank)`` of this process in SGLang's TP group; ``(1, 0)`` where
     SGLang's parallel state is not initialized."""
@@ -190,13 +212,16 @@ def tp_position() -> tuple[int, int]:
         return 1, 0
 
 
-def plan_signature(plan: Any) -> int:
+def plan_signature(plan: Any, with_fills: bool = False) -> int:
     """A host integer that is equal on two ranks exactly when their plans of one
     request run the same tokens: its reused spans (row range, delta, reused
     positions) and whether it has holes. ``plan``: a
-    :class:`~sgl_mmkv.refresh.plan.RequestPlan`. (Fills are left out: a copy fill
-    runs no pass, so ranks may store different images without running apart.)"""
+    :class:`~sgl_mmkv.refresh.plan.RequestPlan`. ``with_fills``: its new images too,
+    where they shape a collective (an eviction ranking's rows and its all-reduce, a
+    canonical fill's pass); a copy fill alone runs none, so ranks may store
+    different images without running apart."""
     spans = tuple(
         (s.start, s.end, s.delta, hash(tuple(s.reused_positions().tolist()))) for s in plan.spans
     )
-    return hash((plan.prefix_len, plan.seq_len, spans, plan.holes)) & _SIGNATURE_MASK
+    fills = tuple((f.start, f.end) for f in plan.fills) if with_fills else ()
+    return hash((plan.prefix_len, plan.seq_len, spans, plan.holes, fills)) & _SIGNATURE_MASK

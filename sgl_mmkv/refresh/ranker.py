@@ -12,6 +12,11 @@ per-layer reduction.) New
 images' rankings go into their segments (compression later keeps their top
 tokens); with ``--mm-compress-at decode`` every image of the extend is ranked and
 the request's own row keeps its top tokens for decoding.
+
+At ``--tp-size`` > 1 each rank reduces its own KV heads' additive parts of the
+statistic (``scoring/head_parts.py``); after a ``ranking`` stage check the parts are
+summed in one all-reduce and finished, so every rank ranks from the statistics of
+every head and keeps the same tokens of every segment.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.observer import PrefillObserver, QueryProjector
 from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.rank_agreement import RankAgreement, summed_inputs
 from sgl_mmkv.refresh.row_kv import row_keys
 from sgl_mmkv.refresh.row_view import RowView
 from sgl_mmkv.scoring import ScoringInputs, TokenScorer
@@ -52,9 +58,19 @@ class VisualRanker:
     budget: ``--mm-kv-budget`` (AirCache's layer budgets depend on it).
     spans_of: which images of a request are ranked (:func:`fill_spans` or
         :func:`extend_image_spans`).
+    agreement: the TP ranks' agreement (a no-op at TP 1).
     """
 
-    def __init__(self, scorer: TokenScorer, budget: float, spans_of: SpansOf = fill_spans) -> None:
+    def __init__(
+        self,
+        scorer: TokenScorer,
+        budget: float,
+        spans_of: SpansOf = fill_spans,
+        agreement: RankAgreement | None = None,
+    ) -> None:
+        self.agreement = agreement or RankAgreement()
+        if self.agreement.active and scorer.needs_attention and scorer.layer_reduction() is None:
+            raise ValueError(f"{scorer.name} reads whole rows: ranks cannot sum its ranking")
         self.scorer = scorer
         self.budget = budget
         self.spans_of = spans_of
@@ -84,7 +100,9 @@ class VisualRanker:
             return None
         if self.scorer.layer_reduction() is None:
             return PrefillObserver(rows)
-        statistics = LayerStatistics(self.scorer, reduced, self._projector)
+        statistics = LayerStatistics(
+            self.scorer, reduced, self._projector, partial=self.agreement.active
+        )
         return PrefillObserver(rows, statistics=statistics)
 
     def rank_batch(
@@ -95,15 +113,47 @@ class VisualRanker:
         plans: list[RequestPlan],
         active: list[torch.Tensor] | None = None,
         views: list[RowView | None] | None = None,
+        error: BaseException | None = None,
     ) -> dict[int, dict[Span, torch.Tensor]]:
         """Request index -> ``[start, end)`` -> ``(end - start,)`` float32 ranking of
         the image's tokens (higher: keep), for every ranked image of the batch.
 
-        ``views``: per request, the row view the forward used (built here if None)."""
+        ``views``: per request, the row view the forward used (built here if None).
+        ``error``: this rank's failure earlier in the forward's tail. With an
+        observer every rank passes the ``ranking`` stage check (raising there if any
+        rank failed), then sums its statistics' parts."""
         if observer is None:
+            if error is not None:
+                raise error
             return {}
-        if observer.statistics is not None:
-            return self._rank_reduced(observer.statistics, model_runner, plans)
+        ranked, inputs = {}, {}
+        if error is None:
+            try:
+                if observer.statistics is not None:
+                    inputs = self._reduced_inputs(observer.statistics, model_runner, plans)
+                else:
+                    ranked = self._rank_kept(
+                        observer, model_runner, forward_batch, plans, active, views
+                    )
+            except Exception as caught:
+                error = caught
+        self.agreement.check(error, "ranking")
+        if observer.statistics is None:
+            return ranked
+        finish = {"layer_statistics": self.scorer.finish_layers}
+        by_index = {plan.index: plan for plan in plans}
+        for i, agreed in summed_inputs(self.agreement, inputs, finish).items():
+            ranking = self.scorer.ranking(agreed, self.budget).float()
+            sizes = [end - start for start, end in agreed.image_spans]
+            spans = self.spans_of(by_index[i])
+            ranked[i] = dict(zip(spans, ranking.split(sizes), strict=True))
+        return ranked
+
+    def _rank_kept(
+        self, observer, model_runner, forward_batch, plans, active, views
+    ) -> dict[int, dict[Span, torch.Tensor]]:
+        """:meth:`rank_batch` from kept queries (a scorer without a per-layer
+        reduction; at TP > 1 only one that reads no attention)."""
         ranked = {}
         for plan in plans:
             spans = self.spans_of(plan)
@@ -116,23 +166,19 @@ class VisualRanker:
                 ranked[plan.index] = dict(zip(spans, rankings, strict=True))
         return ranked
 
-    def _rank_reduced(
+    def _reduced_inputs(
         self, statistics: LayerStatistics, model_runner, plans: list[RequestPlan]
-    ) -> dict[int, dict[Span, torch.Tensor]]:
-        """:meth:`rank_batch` from the statistics the pass reduced."""
+    ) -> dict[int, ScoringInputs]:
+        """Per ranked request, the statistics the pass reduced (this rank's parts at
+        TP > 1)."""
         if statistics.project_queries is not None:
             self._projector = statistics.project_queries
         device = model_runner.token_to_kv_pool.get_key_buffer(0).device
-        ranked = {}
-        for plan in plans:
-            if plan.index not in statistics.rows:
-                continue
-            inputs = statistics.inputs(plan.index, device)
-            ranking = self.scorer.ranking(inputs, self.budget).float()
-            sizes = [end - start for start, end in inputs.image_spans]
-            spans = self.spans_of(plan)
-            ranked[plan.index] = dict(zip(spans, ranking.split(sizes), strict=True))
-        return ranked
+        return {
+            plan.index: statistics.inputs(plan.index, device)
+            for plan in plans
+            if plan.index in statistics.rows
+        }
 
     def rankings(
         self,

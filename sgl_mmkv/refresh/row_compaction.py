@@ -28,6 +28,13 @@ position is ``seq_len - 1 + mrope_position_delta``, so the delta grows by ``d``.
 tokens' KV already carries its rotary positions. Decode-time compression is still
 refused for 1-D RoPE models at start-up.
 
+At ``--tp-size`` > 1 every rank's scheduler shrinks its own rows, and the ranks'
+schedulers must stay in step (equal lengths, equal free memory). After an extend
+batch with images the ranks agree (one MAX all-reduce of a failure flag over the
+CPU group): if compacting failed on any rank, or a rank planned apart from the
+others (its admission failed), every rank aborts the batch's live requests with
+images, whose rows may now differ between ranks.
+
 A compacted row is not the KV of its token ids, so the request is kept out of the
 radix tree (``skip_radix_cache_insert``). A row with holes that cannot be shrunk is
 never decoded: it is kept out of the tree and, if the request is still live, aborted
@@ -46,6 +53,7 @@ import torch
 from sgl_mmkv.counters import Counters
 from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.plan import RequestPlan
+from sgl_mmkv.refresh.rank_agreement import RankAgreement
 from sgl_mmkv.refresh.ranker import Span
 from sgl_mmkv.scoring.base import top_tokens
 
@@ -60,6 +68,7 @@ class RowCompactionCounters(Counters):
     hole_tokens: int = 0
     skipped_requests: int = 0  # decode drops planned, but the request finished or retracted
     aborted_requests: int = 0  # live rows with holes that could not be shrunk
+    rank_aborts: int = 0  # TP > 1: batches whose image requests another rank's failure aborted
     failures: int = 0  # batches left uncompacted because compacting them raised
 
 
@@ -107,11 +116,16 @@ class RowCompactor:
     budget: ``--mm-kv-budget``, the fraction of each image's tokens decode-time
         compression keeps; None without decode-time compression.
     holes: whether reused compressed segments leave holes (``--mm-compressed-reuse``).
+    agreement: the TP ranks' agreement (a no-op at TP 1).
     """
 
-    def __init__(self, budget: float | None, holes: bool = False) -> None:
+    def __init__(
+        self, budget: float | None, holes: bool = False, agreement: RankAgreement | None = None
+    ) -> None:
         self.budget = budget
         self.holes = holes
+        self.agreement = agreement or RankAgreement()
+        self._diverged = False  # this rank planned apart from the others (TP > 1)
         self.counters = RowCompactionCounters()
         self._pending: dict[int, RowPlan] = {}  # req_to_token row -> plan
         self._saved: dict[str, SavedRequestState] = {}  # rid -> state to restore
@@ -188,7 +202,7 @@ class RowCompactor:
             for i, req in enumerate(batch.reqs)
             if req.kv.req_pool_idx in pending
         ]
-        shrunk = set()
+        shrunk, error = set(), None
         try:
             fault_point("row_compaction")
             for i, req, plan in planned:
@@ -199,11 +213,29 @@ class RowCompactor:
                     self._bar(req)
                 else:
                     self.counters.skipped_requests += 1
-        except Exception:
+        except Exception as caught:
+            error = caught
             for i, req, plan in planned:
                 if plan.holes.numel() and i not in shrunk:
                     self._bar(req)
-            raise
+        self._agree(batch, error is not None)
+        if error is not None:
+            raise error
+
+    def _agree(self, batch, failed: bool) -> None:
+        """At TP > 1, after an extend batch with images (the same batches on every
+        rank): if any rank failed or planned apart, abort the batch's live image
+        requests on every rank."""
+        diverged, self._diverged = self._diverged, False
+        if not self.agreement.active or not batch.forward_mode.is_extend():
+            return
+        if all(req.multimodal_inputs is None for req in batch.reqs):
+            return
+        if self.agreement.any_failed(failed or diverged):
+            self.counters.rank_aborts += 1
+            for req in batch.reqs:
+                if req.multimodal_inputs is not None:
+                    self._bar(req)
 
     def _shrinks(self, req, plan: RowPlan) -> bool:
         """Whether ``req``'s row is shrunk by ``plan`` now (and kept out of the tree)."""
@@ -273,6 +305,13 @@ class RowCompactor:
         if d > holes:
             self.counters.compressed_requests += 1
             self.counters.freed_tokens += d - holes
+
+    def diverge(self) -> None:
+        """Compact nothing, and at TP > 1 have every rank abort the batch's image
+        requests after it: this rank planned apart from the others (its admission
+        failed)."""
+        self.abandon()
+        self._diverged = True
 
     def abandon(self) -> None:
         """Compact nothing that is planned (the batch's forward failed and ran again

@@ -33,7 +33,7 @@ from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.passes import run_pass
 from sgl_mmkv.refresh.plan import RequestPlan
 from sgl_mmkv.refresh.probes import ProbePass
-from sgl_mmkv.refresh.rank_agreement import RankAgreement
+from sgl_mmkv.refresh.rank_agreement import RankAgreement, summed_inputs
 from sgl_mmkv.refresh.row_kv import kv_at, row_kv, row_slots_at
 from sgl_mmkv.scoring import RefreshBudget, ScoringInputs, TokenScorer
 
@@ -147,25 +147,13 @@ class TokenSelector:
         return Selection(self._filled(ctx, selected), output)
 
     def _agreed(self, inputs: dict[int, ScoringInputs]) -> dict[int, ScoringInputs]:
-        """At TP > 1, every request's ``layer_statistics`` and ``probe_deviation`` (this
-        rank's parts over its KV heads, ``(L, P, ..., N)``) summed over the ranks in
-        one all-reduce and finished by the scorer: the statistics of every head, as
-        TP 1 computes them. At TP 1 ``inputs`` themselves."""
-        if not self.agreement.active:
-            return inputs
+        """At TP > 1, every request's ``layer_statistics`` and ``probe_deviation``
+        summed over the ranks and finished by the scorer (:func:`summed_inputs`)."""
         finish = {
             "layer_statistics": self.scorer.finish_layers,
             "probe_deviation": self.scorer.finish_deviation,
         }
-        where = [
-            (i, n) for i in sorted(inputs) for n in finish if getattr(inputs[i], n) is not None
-        ]
-        sums = self.agreement.sum([getattr(inputs[i], n) for i, n in where])
-        out = dict(inputs)
-        for (i, name), parts in zip(where, sums, strict=True):
-            if parts.shape[0]:  # no layer reduced: (0, N_v), nothing to finish
-                out[i] = replace(out[i], **{name: finish[name](parts)})
-        return out
+        return summed_inputs(self.agreement, inputs, finish)
 
     def _capture(self, ctx: ExtendContext, active: list[torch.Tensor]) -> QueryCapture:
         """What the scoring pass keeps: per layer statistics when the scorer has a

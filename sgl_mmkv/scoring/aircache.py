@@ -67,7 +67,12 @@ class AirCacheScorer(TokenScorer):
     (heads averaged); layer ``l`` keeps its top ``r_l N_v`` tokens with
     ``r_l = r (s'_t + s'_k) / 2`` (:meth:`layer_budgets`); a token's rank is the
     number of layers that keep it (ties: mean importance), one keep set for all
-    layers since a dropped token frees its slot in every layer."""
+    layers since a dropped token frees its slot in every layer.
+
+    At ``--tp-size`` > 1 a rank's elite set is its own heads' (the paper's set reads
+    every head's attention of the last query: an all-reduce inside each layer, which
+    this scorer does not add); the importance is then the mean over every head
+    (:meth:`layer_parts`' default), so every rank ranks alike, close to TP 1's."""
 
     name: ClassVar[str] = "aircache"
     summary: ClassVar[str] = "AirCache importance"

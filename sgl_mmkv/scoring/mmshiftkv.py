@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from sgl_mmkv.scoring import head_parts
 from sgl_mmkv.scoring.attention import kv_head_attention
 from sgl_mmkv.scoring.base import LayerInputs, LayerReduction, ScoringInputs, TokenScorer
 
@@ -88,6 +89,20 @@ class MMShiftKVScorer(TokenScorer):
         votes = top_p_mask(grouped, self.top_p).sum(dim=1).float()  # (H_kv, last)
         visual = layer.visual_positions
         return torch.stack([votes[:, visual], last_probs[:, visual]])
+
+    def layer_parts(self, layer: LayerInputs) -> torch.Tensor:
+        """``(3, N_v)``: this rank's votes and last-query attention summed over its KV
+        heads, and their count. The proxies' noise and positions are the same on every
+        rank, so a head votes as it would with every head in one process."""
+        votes, attention = self.layer_statistic(layer)
+        return torch.stack(
+            [votes.sum(dim=0), *head_parts.mean_parts(attention.mean(dim=0), attention.shape[0])]
+        )
+
+    def finish_layers(self, parts: torch.Tensor) -> torch.Tensor:
+        """``(L, 2, 1, N_v)`` from ``(L, 3, N_v)`` summed parts: the votes of every head,
+        and their last-query attention's mean (what :meth:`score` reads of a layer)."""
+        return torch.stack([parts[:, 0], head_parts.finish_mean(parts[:, 1:])], dim=1)[:, :, None]
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         last = None
