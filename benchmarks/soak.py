@@ -86,12 +86,10 @@ SERVER_FLAGS = [
 
 
 def server_flags(tp_size: int) -> list[str]:
-    """The soaked server's flags. At ``--tp-size`` > 1 scored eviction (and with it
-    compression at fill and reuse holes) is refused, so the soak runs without it."""
+    """The soaked server's flags: every feature on, at ``tp_size`` ranks."""
     if tp_size <= 1:
         return list(SERVER_FLAGS)
-    flags = [f for f in SERVER_FLAGS if f not in EVICTION_FLAGS]
-    return [*flags, "--tp-size", str(tp_size)]
+    return [*SERVER_FLAGS, "--tp-size", str(tp_size)]
 
 
 class Soak:
@@ -313,9 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probes", type=int, default=16, help="deterministic subset size")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/soak"))
-    parser.add_argument(
-        "--tp-size", type=int, default=1, help="ranks of both servers (> 1: no scored eviction)"
-    )
+    parser.add_argument("--tp-size", type=int, default=1, help="ranks of both servers")
     args = parser.parse_args(argv)
     prepare_cpu_process()
     args.out_dir.mkdir(parents=True, exist_ok=True)

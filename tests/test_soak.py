@@ -48,8 +48,9 @@ def test_a_short_soak_passes(tiny_vlm, tmp_path):
 
 @pytest.mark.slow
 def test_a_short_soak_at_tp2_passes(tiny_vlm, tmp_path):
-    """The same traffic against a TP-2 server over gloo (no scored eviction: refused at
-    TP > 1), its deterministic subset against stock SGLang at TP 2."""
+    """The same traffic against a TP-2 server over gloo (scored eviction, holes and
+    compression at fill on, as at TP 1), its deterministic subset against stock
+    SGLang at TP 2."""
     command = [
         sys.executable,
         str(SOAK),
@@ -62,6 +63,11 @@ def test_a_short_soak_at_tp2_passes(tiny_vlm, tmp_path):
     assert record["tp_size"] == 2 and record["failures"] == [] and record["alive"]
     assert sum(sum(c.values()) for c in record["outcomes"].values()) == 200
     assert record["refresh"]["reused_tokens"] > 0
+    assert record["refresh"]["rank_disagreements"] == 0
+    holes = record["row_compaction"]
+    assert holes["hole_tokens"] > 0 and holes["skipped_requests"] == 0
+    assert holes["rank_aborts"] == 0
+    assert record["store"]["compressions"] > 0
     pool = record["pool_after_flush"]
     assert pool["available"] == pool["size"] and pool["free_unique"]
     assert record["probes_compared"] == 8 and record["probes_differing"] == []
