@@ -6,7 +6,10 @@ Each rank ranks a new segment from its own KV heads' parts, summed over the rank
 leaves the same holes on both, and both ranks' row compactors shrink the same rows.
 A server with every freed and hole slot NaN-poisoned (``SGL_MMKV_POISON_FREED=1``)
 must answer as the plain one (equal tokens, finite logprobs within 1e-4): no decode
-step on either rank attended a hole. The two TP-2 servers start one at a time.
+step on either rank attended a hole. Then, on the plain server, a fault on rank 1
+alone at each stage of the eviction path's tail (ranking, fill, row compaction)
+is every rank's: the batch is answered as stock, or its image requests aborted, on
+both ranks, and the server keeps serving. The two TP-2 servers start one at a time.
 """
 
 from __future__ import annotations
@@ -14,13 +17,62 @@ from __future__ import annotations
 import math
 
 import pytest
+import requests
 
+from sgl_mmkv.refresh.faults import FAULT_FILE_ENV
 from sgl_mmkv.segments.poison import POISON_ENV
+from sgl_mmkv.testing.images import data_url, make_image
 from sgl_mmkv.testing.server import CPU_SERVER_ARGS, ServerProcess, mmkv_stats
-from tests.test_holes_chunked_server import HOLED, _assert_exact_ledger, _holed_requests
+from tests.test_holes_chunked_server import (
+    DECODED,
+    HOLED,
+    _assert_exact_ledger,
+    _holed_requests,
+    _prompt,
+)
 from tests.test_tp_cpu_server import REPO, TP, _env
 
 CHUNK = ["--chunked-prefill-size", "64"]
+FAULT_STAGES = ("ranking", "fill", "row_compaction")
+
+
+def _status(server, text: str, images: list, max_new_tokens: int) -> int:
+    body = {
+        "text": text,
+        "image_data": [data_url(image) for image in images],
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+    }
+    return requests.post(server.base_url + "/generate", json=body, timeout=300).status_code
+
+
+def _faults_on_rank_1(server, model, fault_file) -> dict:
+    """Per stage: a request with two new images (ranked and stored) and one reusing
+    them, with the fault on rank 1; the counters they moved, and then a request
+    without the fault."""
+    out = {}
+    for k, stage in enumerate(FAULT_STAGES):
+        images = [make_image(950 + 10 * k + j) for j in range(2)]
+        before = mmkv_stats(server.base_url)
+        fault_file.write_text(f"{stage}@1")
+        try:
+            codes = [
+                _status(server, _prompt(model, "You are a helpful assistant.", 2), images, 1),
+                _status(server, _prompt(model, "Answer in one word.", 2), images, DECODED),
+            ]
+        finally:
+            fault_file.write_text("")
+        after = mmkv_stats(server.base_url)
+        fresh = [make_image(990 + k)]
+        codes.append(_status(server, _prompt(model, "Go on.", 1), fresh, 2))
+        moved = {
+            "fallbacks": after["refresh"]["fallbacks"] - before["refresh"]["fallbacks"],
+            "rank_aborts": after["row_compaction"]["rank_aborts"]
+            - before["row_compaction"]["rank_aborts"],
+            "disagreements": after["refresh"]["rank_disagreements"]
+            - before["refresh"]["rank_disagreements"],
+        }
+        out[stage] = (codes, moved)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +80,13 @@ def runs(tiny_vlm, tmp_path_factory) -> dict:
     """Per side (plain, poisoned): the holed requests' replies, the hole counters they
     moved, and the agreement counters, each server stopped before the next starts."""
     logs = tmp_path_factory.mktemp("tp_holes")
+    fault_file = logs / "fault"
+    fault_file.write_text("")
     out = {}
-    for side, extra_env in (("plain", {}), ("poisoned", {POISON_ENV: "1"})):
+    for side, extra_env in (
+        ("plain", {FAULT_FILE_ENV: str(fault_file)}),
+        ("poisoned", {POISON_ENV: "1"}),
+    ):
         server = ServerProcess(
             "sgl_mmkv.launch_server",
             tiny_vlm,
@@ -42,6 +99,9 @@ def runs(tiny_vlm, tmp_path_factory) -> dict:
             replies, moved = _holed_requests(server, tiny_vlm)
             stats = mmkv_stats(server.base_url)
             _assert_exact_ledger(server)
+            if side == "plain":
+                out["faults"] = _faults_on_rank_1(server, tiny_vlm, fault_file)
+                _assert_exact_ledger(server)  # after the faults too
         out[side] = (replies, moved, stats)
     return out
 
@@ -67,3 +127,19 @@ def test_tp2_ranks_agreed_on_every_ranked_and_reused_image(runs, side):
     assert refresh["fallbacks"] == 0 and refresh["rank_disagreements"] == 0
     assert refresh["rank_collectives"] > 0
     assert stats["store"]["compressions"] > 0
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_tp2_a_fault_on_rank_1_in_the_eviction_tail_is_every_rank_s(runs, stage):
+    """Ranking and fill: rank 0 follows rank 1 to stock (counted as its fallback) and
+    both answer. Row compaction: both ranks abort the batch's image requests (their
+    rows may differ between the ranks). Either way the next request is served and the
+    slot ledger is exact after a flush."""
+    codes, moved = runs["faults"][stage]
+    assert codes[-1] == 200  # served after the fault
+    assert moved["disagreements"] == 0
+    if stage == "row_compaction":
+        assert moved["rank_aborts"] >= 1
+    else:
+        assert codes[:2] == [200, 200]
+        assert moved["fallbacks"] >= 1 and moved["rank_aborts"] == 0

@@ -284,9 +284,14 @@ class RefreshExecutor:
             return None, error if error is not None else _fault("ranking")
         started = time.perf_counter()
         plans = list(ctx.plans)
-        ranked: dict[int, dict[Span, torch.Tensor]] = self.ranker.rank_batch(
-            observer, ctx.model_runner, ctx.forward_batch, plans, active, list(ctx.views), error
-        )
+        try:
+            ranked: dict[int, dict[Span, torch.Tensor]] = self.ranker.rank_batch(
+                observer, ctx.model_runner, ctx.forward_batch, plans, active, list(ctx.views), error
+            )
+        except PeerFailed:
+            raise  # every rank raised it, at the ranking check
+        except Exception as caught:  # this rank's own: on to the fill's check, if any
+            return None, caught
         self.counters.ranking_seconds += time.perf_counter() - started
         try:
             fault_point("ranking")
