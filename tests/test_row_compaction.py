@@ -343,6 +343,38 @@ def test_at_tp2_another_rank_s_failure_aborts_the_image_requests_here(peer_faile
     assert agreement.flags == [False]  # no collective on a decode batch
 
 
+def test_at_tp2_the_failing_rank_still_agrees_after_aborting_its_holed_rows(monkeypatch):
+    """Rank 1's compaction fails: it aborts its holed request first, and SGLang's
+    abort drops the request's images (``release_mm_inputs_on_abort``); it must still
+    run the batch's agreement, which rank 0 waits in, and abort the others too."""
+    from sgl_mmkv.refresh import row_compaction
+
+    holed, plain = _request(row=0, delta=0), _request(row=1, delta=0)
+    aborted = []
+
+    def abort_of(req):
+        def abort(reason):  # as SGLang's Req.set_finish_with_abort: images released
+            aborted.append(req.rid)
+            req.multimodal_inputs = None
+
+        return abort
+
+    holed.set_finish_with_abort, plain.set_finish_with_abort = abort_of(holed), abort_of(plain)
+    agreement = _OtherRankFailed(peer_failed=False)
+    compactor = RowCompactor(None, holes=True, agreement=agreement)
+    compactor.admit(_batch([holed, plain]))
+    compactor.plan_holes(_forward_batch([holed, plain]), [_holed_plan(0, [7, 8])])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(row_compaction.RowCompactor, "_shrink", broken)
+    with pytest.raises(RuntimeError):
+        compactor.compact(_extend([holed, plain]), SimpleNamespace(req_to_token=None), None)
+    assert agreement.flags == [True]
+    assert sorted(aborted) == ["r0", "r1"] and compactor.counters.rank_aborts == 1
+
+
 def test_at_tp2_a_rank_whose_admission_failed_reports_it():
     agreement = _OtherRankFailed(peer_failed=False)
     compactor = RowCompactor(None, holes=True, agreement=agreement)

@@ -202,7 +202,9 @@ class RowCompactor:
             for i, req in enumerate(batch.reqs)
             if req.kv.req_pool_idx in pending
         ]
-        shrunk, error = set(), None
+        # read before anything is barred: SGLang's abort drops a request's images
+        with_images = [req for req in batch.reqs if req.multimodal_inputs is not None]
+        shrunk, barred, error = set(), set(), None
         try:
             fault_point("row_compaction")
             for i, req, plan in planned:
@@ -211,30 +213,31 @@ class RowCompactor:
                     shrunk.add(i)
                 elif plan.holes.numel():
                     self._bar(req)
+                    barred.add(id(req))
                 else:
                     self.counters.skipped_requests += 1
         except Exception as caught:
             error = caught
             for i, req, plan in planned:
-                if plan.holes.numel() and i not in shrunk:
+                if plan.holes.numel() and i not in shrunk and id(req) not in barred:
                     self._bar(req)
-        self._agree(batch, error is not None)
+                    barred.add(id(req))
+        self._agree(batch, with_images, barred, error is not None)
         if error is not None:
             raise error
 
-    def _agree(self, batch, failed: bool) -> None:
-        """At TP > 1, after an extend batch with images (the same batches on every
-        rank): if any rank failed or planned apart, abort the batch's live image
-        requests on every rank."""
+    def _agree(self, batch, with_images: list, barred: set[int], failed: bool) -> None:
+        """At TP > 1, after an extend batch with images (``with_images``: its requests
+        that had images before compaction; the same batches on every rank): if any
+        rank failed or planned apart, abort those requests on every rank (but the
+        ones this rank ``barred`` already, by ``id``)."""
         diverged, self._diverged = self._diverged, False
-        if not self.agreement.active or not batch.forward_mode.is_extend():
-            return
-        if all(req.multimodal_inputs is None for req in batch.reqs):
+        if not self.agreement.active or not batch.forward_mode.is_extend() or not with_images:
             return
         if self.agreement.any_failed(failed or diverged):
             self.counters.rank_aborts += 1
-            for req in batch.reqs:
-                if req.multimodal_inputs is not None:
+            for req in with_images:
+                if id(req) not in barred:
                     self._bar(req)
 
     def _shrinks(self, req, plan: RowPlan) -> bool:
