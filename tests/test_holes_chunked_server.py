@@ -14,6 +14,8 @@ compaction point aborts the holed request instead of decoding it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import requests
@@ -28,7 +30,6 @@ from sgl_mmkv.testing.server import (
     ServerProcess,
     flush_cache,
     mmkv_stats,
-    start_together,
     stock_cpu_env,
 )
 
@@ -40,28 +41,34 @@ DECODED = 8
 
 @pytest.fixture(scope="module", params=[32, 64, 8192])
 def servers(request, tiny_vlm, tmp_path_factory):
+    """One server per chunk size, its freed and hole slots NaN-poisoned while the
+    poison file holds ``1`` (from the start): ``(server, fault file, poison file)``."""
     chunk = request.param
     logs = tmp_path_factory.mktemp(f"logs-{chunk}")
-    fault = logs / "fault"
+    fault, poison = logs / "fault", logs / "poison"
     fault.write_text("")
+    poison.write_text("1")
     args = [*CPU_SERVER_ARGS, *HOLED, "--chunked-prefill-size", str(chunk)]
-    env = {**stock_cpu_env(), FAULT_FILE_ENV: str(fault)}
-    procs = {
-        "plain": ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, logs / "plain", env=env),
-        "poisoned": ServerProcess(
-            "sgl_mmkv.launch_server",
-            tiny_vlm,
-            args,
-            logs / "poisoned",
-            env={**env, POISON_ENV: "1"},
-        ),
-    }
+    env = {**stock_cpu_env(), FAULT_FILE_ENV: str(fault), POISON_ENV: f"@{poison}"}
+    with ServerProcess("sgl_mmkv.launch_server", tiny_vlm, args, logs / "server", env=env) as s:
+        yield s, fault, poison
+
+
+def poisoned_then_plain(server, poison: Path, run: Callable) -> tuple:
+    """``run(server)`` from an empty cache with every freed and hole slot poisoned,
+    then again from an empty cache without: ``(poisoned, plain)``. Poisoned first, so
+    the plain run meets the NaN the first one left in freed slots too. Leaves the
+    poison on."""
+    flush_cache(server.base_url)
+    poison.write_text("1")
+    poisoned = run(server)
+    poison.write_text("")
     try:
-        start_together(list(procs.values()), 400.0)
-        yield procs, fault
+        flush_cache(server.base_url)
+        plain = run(server)
     finally:
-        for proc in procs.values():
-            proc.stop()
+        poison.write_text("1")
+    return poisoned, plain
 
 
 def _prompt(model, system: str, images: int, text: str = "") -> str:
@@ -117,9 +124,9 @@ def _assert_exact_ledger(server) -> None:
 
 
 def test_chunked_rows_with_holes_are_compacted_before_any_decode(servers, tiny_vlm):
-    procs, _ = servers
-    plain, plain_moved = _holed_requests(procs["plain"], tiny_vlm)
-    poisoned, moved = _holed_requests(procs["poisoned"], tiny_vlm)
+    server, _, poison = servers
+    runs = poisoned_then_plain(server, poison, lambda s: _holed_requests(s, tiny_vlm))
+    (poisoned, moved), (plain, plain_moved) = runs
     assert moved == plain_moved
     assert moved["hole_tokens"] > 0 and moved["holed_requests"] > 0
     assert moved["skipped_requests"] == 0 and moved["aborted_requests"] == 0
@@ -128,8 +135,7 @@ def test_chunked_rows_with_holes_are_compacted_before_any_decode(servers, tiny_v
         assert tokens == want_tokens
         assert all(lp is not None and math.isfinite(lp) for lp in logprobs)
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
-    for proc in procs.values():
-        _assert_exact_ledger(proc)
+    _assert_exact_ledger(server)
 
 
 def _open_session(server, streaming: bool) -> str:
@@ -166,22 +172,22 @@ def _session_turns(server, model, streaming: bool, seed: int) -> tuple[list, dic
 @pytest.mark.parametrize("servers", [8192], indirect=True)
 @pytest.mark.parametrize("streaming", [False, True])
 def test_session_requests_reuse_without_holes(servers, tiny_vlm, streaming):
-    procs, _ = servers
+    server, _, poison = servers
     seed = 800 + 10 * streaming
-    plain, _ = _session_turns(procs["plain"], tiny_vlm, streaming, seed)
-    poisoned, moved = _session_turns(procs["poisoned"], tiny_vlm, streaming, seed)
+    runs = poisoned_then_plain(
+        server, poison, lambda s: _session_turns(s, tiny_vlm, streaming, seed)
+    )
+    (poisoned, moved), (plain, _) = runs
     assert moved["hole_tokens"] == 0 and moved["reused_tokens"] > 0
     for (tokens, logprobs), (want_tokens, _) in zip(poisoned, plain, strict=True):
         assert tokens == want_tokens
         assert all(lp is not None and math.isfinite(lp) for lp in logprobs)
-    for proc in procs.values():
-        _assert_exact_ledger(proc)
+    _assert_exact_ledger(server)
 
 
 @pytest.mark.parametrize("servers", [64], indirect=True)
 def test_a_fault_at_compaction_aborts_the_holed_request(servers, tiny_vlm):
-    procs, fault = servers
-    server = procs["poisoned"]
+    server, fault, _ = servers
     images = [make_image(900), make_image(901)]
     _generate(server, _prompt(tiny_vlm, "You are a helpful assistant.", 2), images, 1)
     before = mmkv_stats(server.base_url)["row_compaction"]

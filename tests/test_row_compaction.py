@@ -319,11 +319,13 @@ def _extend(reqs):
 
 
 @pytest.mark.parametrize("peer_failed", [False, True])
-def test_at_tp2_another_rank_s_failure_aborts_the_image_requests_here(peer_failed):
-    """Rank 0 compacts its rows; when rank 1 failed (its rows stayed whole), rank 0
-    aborts the batch's live image requests too, so both ranks' schedulers stay in
-    step. The ranks agree once per extend batch with images, never on a decode."""
+def test_at_tp2_another_rank_s_failure_cancels_the_compaction_here(peer_failed):
+    """The ranks agree before any row shrinks: when rank 1 failed before compacting,
+    rank 0 shrinks nothing either (equal rows and free memory on both) and keeps its
+    holed row from decoding, as rank 1 does; the rest decode whole. Once per extend
+    batch with images, never on a decode."""
     table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64)
+    original = table.clone()
     holed, plain = _request(row=0, delta=0), _request(row=1, delta=0)
     aborted = []
     holed.set_finish_with_abort = plain.set_finish_with_abort = aborted.append
@@ -332,47 +334,47 @@ def test_at_tp2_another_rank_s_failure_aborts_the_image_requests_here(peer_faile
     compactor.admit(_batch([holed, plain]))
     compactor.plan_holes(_forward_batch([holed, plain]), [_holed_plan(0, [7, 8])])
     batch = _extend([holed, plain])
-    compactor.compact(batch, SimpleNamespace(req_to_token=table), RecordingAllocator())
+    allocator = RecordingAllocator()
+    compactor.compact(batch, SimpleNamespace(req_to_token=table), allocator)
     assert agreement.flags == [False]
-    assert batch.seq_lens.tolist() == [PROMPT - 2, PROMPT]  # rank 0's own compaction ran
-    assert len(aborted) == (2 if peer_failed else 0)
-    assert compactor.counters.rank_aborts == int(peer_failed)
-    assert plain.skip_radix_cache_insert == peer_failed
+    if peer_failed:
+        assert batch.seq_lens.tolist() == [PROMPT, PROMPT] and allocator.freed == []
+        assert torch.equal(table, original)
+        assert len(aborted) == 1 and holed.skip_radix_cache_insert
+        assert not plain.skip_radix_cache_insert
+    else:
+        assert batch.seq_lens.tolist() == [PROMPT - 2, PROMPT] and aborted == []
+    assert compactor.counters.rank_cancelled == int(peer_failed)
     decode = SimpleNamespace(**vars(_batch([holed, plain])), forward_mode=ForwardMode.DECODE)
     compactor.compact(decode, SimpleNamespace(req_to_token=table), RecordingAllocator())
     assert agreement.flags == [False]  # no collective on a decode batch
 
 
-def test_at_tp2_the_failing_rank_still_agrees_after_aborting_its_holed_rows(monkeypatch):
-    """Rank 1's compaction fails: it aborts its holed request first, and SGLang's
-    abort drops the request's images (``release_mm_inputs_on_abort``); it must still
-    run the batch's agreement, which rank 0 waits in, and abort the others too."""
-    from sgl_mmkv.refresh import row_compaction
+def test_at_tp2_the_failing_rank_agrees_before_it_aborts_anything(tmp_path, monkeypatch):
+    """Rank 1's compaction fails at its start: it runs the batch's agreement (which
+    rank 0 waits in) before aborting its holed request, whose abort in SGLang drops
+    the request's images, and raises."""
+    from sgl_mmkv.refresh.faults import FAULT_FILE_ENV, InjectedFault
 
+    fault = tmp_path / "stage"
+    fault.write_text("row_compaction")
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
     holed, plain = _request(row=0, delta=0), _request(row=1, delta=0)
     aborted = []
 
-    def abort_of(req):
-        def abort(reason):  # as SGLang's Req.set_finish_with_abort: images released
-            aborted.append(req.rid)
-            req.multimodal_inputs = None
+    def abort(reason):  # as SGLang's Req.set_finish_with_abort: images released
+        aborted.append(reason)
+        holed.multimodal_inputs = None
 
-        return abort
-
-    holed.set_finish_with_abort, plain.set_finish_with_abort = abort_of(holed), abort_of(plain)
+    holed.set_finish_with_abort = abort
     agreement = _OtherRankFailed(peer_failed=False)
     compactor = RowCompactor(None, holes=True, agreement=agreement)
     compactor.admit(_batch([holed, plain]))
     compactor.plan_holes(_forward_batch([holed, plain]), [_holed_plan(0, [7, 8])])
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("broken")
-
-    monkeypatch.setattr(row_compaction.RowCompactor, "_shrink", broken)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(InjectedFault):
         compactor.compact(_extend([holed, plain]), SimpleNamespace(req_to_token=None), None)
-    assert agreement.flags == [True]
-    assert sorted(aborted) == ["r0", "r1"] and compactor.counters.rank_aborts == 1
+    assert agreement.flags == [True] and len(aborted) == 1
+    assert compactor.counters.rank_cancelled == 1
 
 
 def test_at_tp2_a_rank_whose_admission_failed_reports_it():
@@ -380,8 +382,7 @@ def test_at_tp2_a_rank_whose_admission_failed_reports_it():
     compactor = RowCompactor(None, holes=True, agreement=agreement)
     compactor.diverge()
     req = _request(row=0, delta=0)
-    req.set_finish_with_abort = lambda _: None
     compactor.compact(_extend([req]), SimpleNamespace(req_to_token=None), None)
-    assert agreement.flags == [True] and compactor.counters.rank_aborts == 1
+    assert agreement.flags == [True] and compactor.counters.rank_cancelled == 1
     compactor.compact(_extend([req]), SimpleNamespace(req_to_token=None), None)
     assert agreement.flags == [True, False]  # reported once

@@ -66,7 +66,7 @@ def test_a_short_soak_at_tp2_passes(tiny_vlm, tmp_path):
     assert record["refresh"]["rank_disagreements"] == 0
     holes = record["row_compaction"]
     assert holes["hole_tokens"] > 0 and holes["skipped_requests"] == 0
-    assert holes["rank_aborts"] == 0
+    assert holes["rank_cancelled"] == 0
     assert record["store"]["compressions"] > 0
     pool = record["pool_after_flush"]
     assert pool["available"] == pool["size"] and pool["free_unique"]

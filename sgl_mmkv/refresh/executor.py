@@ -169,13 +169,17 @@ class RefreshExecutor:
     def _stock(self, ctx: ExtendContext):
         """A batch that reuses nothing: the stock extend, then the shared tail. Its
         output stands if the tail fails (the stock extend computed every row)."""
-        observer = self.ranker.observer_for(list(ctx.plans)) if self.ranker else None
+        observer, error = None, None
+        try:
+            observer = self.ranker.observer_for(list(ctx.plans)) if self.ranker else None
+        except Exception as caught:  # carried to the ranking check
+            error = caught
         out = run_whole(ctx, observer)
         self.counters.executed_flops += ctx.full_flops()
         try:
-            error = None
             try:
-                self._finish(ctx, out, observer, None, None, 0.0)
+                self._finish(ctx, out, observer, None, None, 0.0, error)
+                error = None
             except PeerFailed:
                 raise
             except Exception as caught:
@@ -280,7 +284,8 @@ class RefreshExecutor:
         """Rank the observed images once, for the store's new segments (content key
         -> ``(n,)``) and for decode-time compression (handed over); with the error
         carried on (``error``, or this stage's own)."""
-        if observer is None:
+        ranks = self.ranker is not None and any(self.ranker.spans_of(p) for p in ctx.plans)
+        if not ranks:  # the same on every rank (agreed plans)
             return None, error if error is not None else _fault("ranking")
         started = time.perf_counter()
         plans = list(ctx.plans)
@@ -294,7 +299,6 @@ class RefreshExecutor:
             return None, caught
         self.counters.ranking_seconds += time.perf_counter() - started
         try:
-            fault_point("ranking")
             if self.row_compactor is not None:
                 self.row_compactor.plan(ctx.forward_batch, plans, ranked)
         except Exception as caught:

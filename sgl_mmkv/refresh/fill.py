@@ -138,21 +138,25 @@ class SegmentFiller:
                 error = caught
         agreed = self.agreement.all_of([s is not None for s in reserved] + [error is None])
         if not agreed[-1]:
-            for segment in reserved:
-                if segment is not None:
-                    self.store.discard(segment.key)
+            self._discard(reserved)
             if self.agreement.active:
                 raise PeerFailed("fill") from error
             return error
         for i, ok in enumerate(agreed[:-1]):
             if reserved[i] is not None and not ok:  # another rank could not reserve it
-                self.store.discard(reserved[i].key)
+                self._discard([reserved[i]])
                 reserved[i] = None
         pairs = zip(fills, reserved, strict=True)
         chosen = [(plan, fill, s) for (plan, fill), s in pairs if s is not None]
         if chosen:
             self._run_canonical(ctx, chosen)
         return None
+
+    def _discard(self, segments) -> None:
+        for segment in segments:
+            if segment is not None:
+                segment.pinned = False
+                self.store.discard(segment.key)
 
     def _reserve(self, fills, rankings, embeddings, reserved: list) -> None:
         """Store slots for each of ``fills`` that can be computed alone (``reserved[i]``
@@ -168,13 +172,41 @@ class SegmentFiller:
             if segment is None:
                 continue
             segment.pinned = True  # not evicted or compressed before its KV is written
+            reserved[i] = segment  # discarded if anything fails before its KV is written
             if fill.key in embeddings:
                 self.store.attach_embeddings(segment, embeddings[fill.key])
-            reserved[i] = segment
             grouped.update((plan.index, row) for row in range(fill.start - 1, fill.end))
 
     def _run_canonical(self, ctx: ExtendContext, chosen) -> None:
-        """The canonical pass over ``chosen`` ``(plan, fill, reserved segment)``."""
+        """The canonical pass over ``chosen`` ``(plan, fill, reserved segment)``; at
+        TP > 1 the ranks check its preparation before the pass's all-reduces."""
+        segments = [segment for _, _, segment in chosen]
+        prepared, error = None, None
+        try:
+            prepared = self._prepare_canonical(ctx, chosen)
+        except Exception as caught:
+            error = caught
+        try:
+            self.agreement.check(error, "fill")
+        except BaseException:
+            self._discard(segments)
+            raise
+        active, backend = prepared
+        try:
+            run_pass(ctx, active, backend=backend)
+        except BaseException:
+            self._discard(segments)
+            raise
+        finally:
+            for segment in segments:
+                segment.pinned = False
+            ctx.embedding_slot.take_captured()  # the pass's own build, if any: taken above
+        for segment in segments:  # its KV is complete now: on to the L3 storage, if any
+            self.store.write_through(segment)
+
+    def _prepare_canonical(self, ctx: ExtendContext, chosen):
+        """``(active rows per request, group-local backend)`` of the canonical pass,
+        its FLOPs counted."""
         extend_lens = ctx.forward_batch.extend_seq_lens_cpu
         group = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
         slot = [torch.full((int(n),), -1, dtype=torch.long) for n in extend_lens]
@@ -198,15 +230,4 @@ class SegmentFiller:
         )
         keys = int((sizes * (sizes + 1) // 2).sum())
         self.counters.executed_flops += ctx.shape.flops(int(ids.numel()), keys, len(group))
-        try:
-            run_pass(ctx, active, backend=backend)
-        except BaseException:
-            for segment in reserved:
-                self.store.discard(segment.key)
-            raise
-        finally:
-            for segment in reserved:
-                segment.pinned = False
-            ctx.embedding_slot.take_captured()  # the pass's own build, if any: taken above
-        for segment in reserved:  # its KV is complete now: on to the L3 storage, if any
-            self.store.write_through(segment)
+        return active, backend

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from sgl_mmkv.refresh.faults import fault_point
 from sgl_mmkv.refresh.layer_statistics import LayerStatistics, ReducedRow
 from sgl_mmkv.refresh.observer import PrefillObserver, QueryProjector
 from sgl_mmkv.refresh.plan import RequestPlan
@@ -119,16 +120,16 @@ class VisualRanker:
         the image's tokens (higher: keep), for every ranked image of the batch.
 
         ``views``: per request, the row view the forward used (built here if None).
-        ``error``: this rank's failure earlier in the forward's tail. With an
-        observer every rank passes the ``ranking`` stage check (raising there if any
-        rank failed), then sums its statistics' parts."""
-        if observer is None:
-            if error is not None:
-                raise error
+        ``error``: this rank's failure earlier in the forward (its observer None if
+        building it failed). Where the agreed plans rank images, every rank passes the
+        ``ranking`` stage check (raising there if any rank failed), then sums its
+        statistics' parts."""
+        if observer is None and error is None:
             return {}
         ranked, inputs = {}, {}
         if error is None:
             try:
+                fault_point("ranking")
                 if observer.statistics is not None:
                     inputs = self._reduced_inputs(observer.statistics, model_runner, plans)
                 else:

@@ -68,7 +68,7 @@ class RowCompactionCounters(Counters):
     hole_tokens: int = 0
     skipped_requests: int = 0  # decode drops planned, but the request finished or retracted
     aborted_requests: int = 0  # live rows with holes that could not be shrunk
-    rank_aborts: int = 0  # TP > 1: batches whose image requests another rank's failure aborted
+    rank_cancelled: int = 0  # TP > 1: extend batches whose compaction a rank's failure cancelled
     failures: int = 0  # batches left uncompacted because compacting them raised
 
 
@@ -202,43 +202,49 @@ class RowCompactor:
             for i, req in enumerate(batch.reqs)
             if req.kv.req_pool_idx in pending
         ]
-        # read before anything is barred: SGLang's abort drops a request's images
-        with_images = [req for req in batch.reqs if req.multimodal_inputs is not None]
-        shrunk, barred, error = set(), set(), None
+        error = None
         try:
             fault_point("row_compaction")
+        except Exception as caught:
+            error = caught
+        if self._cancelled(batch, error is not None):
+            for _, req, plan in planned:
+                if plan.holes.numel():
+                    self._bar(req)
+            if error is not None:
+                raise error
+            return
+        shrunk, barred = set(), set()
+        try:
             for i, req, plan in planned:
                 if self._shrinks(req, plan):
                     self._shrink(batch, i, req, plan, req_to_token_pool, allocator)
                     shrunk.add(i)
                 elif plan.holes.numel():
                     self._bar(req)
-                    barred.add(id(req))
+                    barred.add(i)
                 else:
                     self.counters.skipped_requests += 1
-        except Exception as caught:
-            error = caught
+        except Exception:
             for i, req, plan in planned:
-                if plan.holes.numel() and i not in shrunk and id(req) not in barred:
+                if plan.holes.numel() and i not in shrunk and i not in barred:
                     self._bar(req)
-                    barred.add(id(req))
-        self._agree(batch, with_images, barred, error is not None)
-        if error is not None:
-            raise error
+            raise
 
-    def _agree(self, batch, with_images: list, barred: set[int], failed: bool) -> None:
-        """At TP > 1, after an extend batch with images (``with_images``: its requests
-        that had images before compaction; the same batches on every rank): if any
-        rank failed or planned apart, abort those requests on every rank (but the
-        ones this rank ``barred`` already, by ``id``)."""
+    def _cancelled(self, batch, failed: bool) -> bool:
+        """Whether this batch's compaction is cancelled: this rank failed before it
+        or, at TP > 1 after an extend batch with images (the same batches on every
+        rank), any rank failed or planned apart (one MAX all-reduce, before any row
+        shrinks, so every rank's rows and free memory stay equal)."""
         diverged, self._diverged = self._diverged, False
-        if not self.agreement.active or not batch.forward_mode.is_extend() or not with_images:
-            return
+        if not self.agreement.active or not batch.forward_mode.is_extend():
+            return failed
+        if all(req.multimodal_inputs is None for req in batch.reqs):
+            return failed
         if self.agreement.any_failed(failed or diverged):
-            self.counters.rank_aborts += 1
-            for req in with_images:
-                if id(req) not in barred:
-                    self._bar(req)
+            self.counters.rank_cancelled += 1
+            return True
+        return False
 
     def _shrinks(self, req, plan: RowPlan) -> bool:
         """Whether ``req``'s row is shrunk by ``plan`` now (and kept out of the tree)."""
@@ -310,9 +316,8 @@ class RowCompactor:
             self.counters.freed_tokens += d - holes
 
     def diverge(self) -> None:
-        """Compact nothing, and at TP > 1 have every rank abort the batch's image
-        requests after it: this rank planned apart from the others (its admission
-        failed)."""
+        """Compact nothing, and at TP > 1 have no rank compact the coming batch: this
+        rank planned apart from the others (its admission failed)."""
         self.abandon()
         self._diverged = True
 
