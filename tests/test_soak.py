@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = ROOT / "benchmarks" / "soak.py"
 
@@ -46,7 +44,6 @@ def test_a_short_soak_passes(tiny_vlm, tmp_path):
     assert record["probes_compared"] == 8 and record["probes_differing"] == []
 
 
-@pytest.mark.slow
 def test_a_short_soak_at_tp2_passes(tiny_vlm, tmp_path):
     """The same traffic against a TP-2 server over gloo (scored eviction, holes and
     compression at fill on, as at TP 1), its deterministic subset against stock
