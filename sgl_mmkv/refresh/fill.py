@@ -188,11 +188,7 @@ class SegmentFiller:
             error = caught
         try:
             self.agreement.check(error, "fill")
-        except BaseException:
-            self._discard(segments)
-            raise
-        active, backend = prepared
-        try:
+            active, backend = prepared
             run_pass(ctx, active, backend=backend)
         except BaseException:
             self._discard(segments)
