@@ -30,10 +30,12 @@ refused for 1-D RoPE models at start-up.
 
 At ``--tp-size`` > 1 every rank's scheduler shrinks its own rows, and the ranks'
 schedulers must stay in step (equal lengths, equal free memory). After an extend
-batch with images the ranks agree (one MAX all-reduce of a failure flag over the
-CPU group): if compacting failed on any rank, or a rank planned apart from the
-others (its admission failed), every rank aborts the batch's live requests with
-images, whose rows may now differ between ranks.
+batch with images, before any row shrinks, the ranks agree (one MAX all-reduce of a
+failure flag over the CPU group): if any rank failed before compacting, or planned
+apart from the others (its admission failed), no rank shrinks a row of that batch
+and every rank keeps its rows with holes from decoding (``rank_cancelled``). A
+failure inside a shrink, after the ranks agreed, is that rank's alone, as a failure
+inside a pass is.
 
 A compacted row is not the KV of its token ids, so the request is kept out of the
 radix tree (``skip_radix_cache_insert``). A row with holes that cannot be shrunk is
