@@ -20,6 +20,8 @@ from training.repair_study import (
     keep_fn,
     layered_flops,
     oracle_rank_fn,
+    paired_against,
+    parse_label,
     plain_fn,
     probe_images,
     probe_offsets,
@@ -162,3 +164,20 @@ def test_case_flops_by_hand(runner, cases):
     full = shape.extend_flops(reordered.prefix_len, reordered.prompt_len)
     one_pass = shape.pass_flops(base.nonzero().flatten()) / full
     assert one_pass < f_patch < one_pass + 0.01  # the patch's elementwise work is small
+
+
+def test_labels_parse_back_and_paired_ratios():
+    for cfg in (PatchConfig(4, "kernel", 0.0), PatchConfig(2, "mean", 0.4)):
+        assert parse_label(cfg.label) == cfg
+    with pytest.raises(ValueError):
+        parse_label("kamera[m=16]")
+    cells = {
+        "full": {"method": "full", "outcomes": [1] * 4},
+        "stalepatch[P=4,kernel,tau=0]": {"method": "stalepatch", "outcomes": [1, 1, 1, 1]},
+        "reuse": {"method": "reuse", "outcomes": [1, 1, 1, 1]},
+        "oracle-rank2": {"method": "oracle-rank", "outcomes": [1, 0, 0, 0]},
+    }
+    report = {"chosen": "stalepatch[P=4,kernel,tau=0]", "test": {"s": cells}}
+    paired = paired_against(report)
+    # only the servable others; equal outcomes on every prompt: a ratio of exactly 1
+    assert paired == {"s": {"reuse": [1.0, 1.0]}}

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -489,6 +490,14 @@ class PatchConfig:
         return f"stalepatch[P={self.probes},{self.form},tau={self.tau:g}]"
 
 
+def parse_label(label: str) -> PatchConfig:
+    """The :class:`PatchConfig` of its ``label`` (``stalepatch[P=4,kernel,tau=0]``)."""
+    m = re.fullmatch(r"stalepatch\[P=(\d+),(\w+),tau=([0-9.e+-]+)\]", label)
+    if m is None:
+        raise ValueError(f"not a stalepatch label: {label!r}")
+    return PatchConfig(int(m.group(1)), m.group(2), float(m.group(3)))
+
+
 def _extrapolate(
     cfg: PatchConfig,
     stale: torch.Tensor,
@@ -544,11 +553,15 @@ def _fill_loadings(case: Case, j: int, layer: int, rank: int) -> torch.Tensor:
     return u[:, :rank] * s[:rank]
 
 
-def stalepatch_fn(case: Case, cfg: PatchConfig, stats: dict | None = None):
-    """One pass: text + ``P`` probe rows per probed image; each layer's probe change is
+def stalepatch_fn(
+    case: Case, cfg: PatchConfig, stats: dict | None = None, offs: dict | None = None
+):
+    """One pass: text + ``P`` probe rows per probed image (``offs``: image -> token
+    offsets; default spread over the grid); each layer's probe change is
     extrapolated to the image's other rows before the layer's attention reads them."""
     probed = set(probe_images(case))
-    offs = {j: probe_offsets(case.grids[j], cfg.probes) for j in probed}
+    if offs is None:
+        offs = {j: probe_offsets(case.grids[j], cfg.probes) for j in probed}
     zsum = {j: 0.0 for j in probed}
 
     def fn(layer, k, v):
@@ -917,8 +930,29 @@ def main(argv: list[str] | None = None) -> None:
         help="only run stalepatch with W2's stored basis (P = 4, these ranks, e.g. 1,2,3) "
         "on --num-validation validation prompts, into basis_validation.json",
     )
+    parser.add_argument(
+        "--frozen-from",
+        type=Path,
+        default=None,
+        help="a held-out run: take stalepatch's configuration, kamera's rank and "
+        "vlcache's schedule per scenario from this repair_study.json (another "
+        "model's), tune nothing; validation only matches the baselines' FLOPs",
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="only write paired_stalepatch.json from --out-dir's repair_study.json: the "
+        "chosen stalepatch's accuracy over every other method's, per scenario (paired 95 %%)",
+    )
     args = parser.parse_args(argv)
+    if args.paired:
+        report = json.loads((args.out_dir / "repair_study.json").read_text())
+        paired = paired_against(report)
+        (args.out_dir / "paired_stalepatch.json").write_text(json.dumps(paired, indent=1))
+        print(json.dumps(paired, indent=1))
+        return
     torch.set_num_threads(args.threads)
+    frozen = json.loads(args.frozen_from.read_text()) if args.frozen_from else None
     t0 = time.time()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -960,6 +994,8 @@ def main(argv: list[str] | None = None) -> None:
         for tau in (0.0, 0.4)
         if not (form != "mean" and p == 1)
     ] + [PatchConfig(8, "mean", 0.0)]
+    if frozen is not None:
+        grid = [parse_label(frozen["chosen"])]
     for cfg in grid:
         sweep[cfg.label] = {sc: evaluate(runner, val[sc], "stalepatch", cfg) for sc in scenarios}
         row = sweep[cfg.label]
@@ -980,7 +1016,7 @@ def main(argv: list[str] | None = None) -> None:
     log("chosen", best_label)
     # kamera rank on validation (stale scenarios' mean)
     kam_val = {}
-    for m in (1, 4, 16):
+    for m in (1, 4, 16) if frozen is None else (int(frozen["kamera_rank"]),):
         kam_val[m] = {sc: evaluate(runner, val[sc], "kamera", (m, 0.0)) for sc in STALE_SCENARIOS}
     best_m = max(kam_val, key=lambda m: sum(kam_val[m][sc]["relative"] for sc in STALE_SCENARIOS))
     log(
@@ -992,7 +1028,7 @@ def main(argv: list[str] | None = None) -> None:
     for sc in scenarios:
         target = sweep[best_label][sc]["flops"]
         options = {}
-        for name in SCHEDULES:
+        for name in SCHEDULES if frozen is None else (frozen["matched"][sc]["schedule"],):
             ratios = scaled(name, match_scale(runner.shape, val[sc], name, target))
             options[name] = (ratios, evaluate(runner, val[sc], "vlcache", ratios))
         vl_val[sc] = {
@@ -1073,6 +1109,7 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {
         "model": str(args.model_path),
+        "frozen_from": str(args.frozen_from) if frozen is not None else None,
         "commit": commit,
         "num_validation": args.num_validation,
         "num_test": args.num_test,
@@ -1094,6 +1131,23 @@ def main(argv: list[str] | None = None) -> None:
     (args.out_dir / "repair_study.json").write_text(json.dumps(report, indent=1))
     (args.out_dir / "repair_study.md").write_text(markdown(report))
     log(markdown(report))
+
+
+def paired_against(report: dict) -> dict[str, dict[str, list[float]]]:
+    """Per scenario, the chosen stalepatch's accuracy divided by each other servable
+    method's (reuse, staleprobe, the other forms, kamera(+r), vlcache): the paired 95 %
+    interval over the test prompts (``harness.bootstrap.paired_intervals``)."""
+    out: dict = {}
+    for sc, cells in report["test"].items():
+        mine = cells[report["chosen"]]["outcomes"]
+        out[sc] = {
+            label: list(paired_intervals(cell["outcomes"], mine)["relative_accuracy"])
+            for label, cell in cells.items()
+            if not label.startswith("_")
+            and label not in ("full", report["chosen"])
+            and cell["method"] != "oracle-rank"
+        }
+    return out
 
 
 def markdown(report: dict) -> str:
