@@ -16,7 +16,14 @@ from training.probe_choice import (
     tail_salience,
     two_pass,
 )
-from training.repair_study import MODEL, Runner, positions_of, probe_images, probe_offsets
+from training.repair_study import (
+    MODEL,
+    Runner,
+    plain_fn,
+    positions_of,
+    probe_images,
+    probe_offsets,
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +86,14 @@ def test_two_pass_flops_by_hand(runner, cases):
             seconds += 1
             assert first + tail < flops < first + tail + 0.02 + 0.003 * 4 * len(case.spans)
     assert seconds == 1  # the reordered case has a stale image, the changed prefix none
+
+
+def test_layer0_salience_needs_no_fresh_image_kv(runner, cases):
+    """salient-layer0 is servable before the pass: at layer 0 the question reads the
+    same attention over the stale rows as over the full prefill's."""
+    reordered, _ = cases
+    full = attentions_of(runner, reordered.inputs)[0]
+    stale = attentions_of(runner, reordered.inputs, plain_fn(reordered))[0]
+    assert torch.allclose(full, stale, atol=1e-5)
+    deeper = attentions_of(runner, reordered.inputs, plain_fn(reordered))[2]
+    assert not torch.allclose(attentions_of(runner, reordered.inputs)[2], deeper, atol=1e-3)

@@ -12,6 +12,9 @@ which tokens of each probed image are its probes:
   better choice of probes can buy;
 - ``salient-fill``: the P tokens the *warm-up* prompt's question read most. Servable:
   a fill could store it with the segment;
+- ``salient-layer0``: the P tokens the target's question reads most at layer 0.
+  Servable before the pass: at layer 0 an image's K is its embedding's (no
+  context), and so are the question's queries;
 - ``two-pass``: servable, two passes: the text and staleprobe's one-token probes
   over the stale row (its staleness ``z``, and the question's attention over the
   stale row as the salience), then a second pass of the question (the rows after
@@ -86,10 +89,11 @@ def attentions_of(runner: Runner, inputs: dict, fn=None) -> list[torch.Tensor]:
     return [a[0].float() for a in out.attentions]
 
 
-def oracle_salience(runner: Runner, case: Case) -> list[torch.Tensor]:
-    """What the target's question reads of each reused image at full prefill."""
+def oracle_salience(runner: Runner, case: Case, layers: int | None = None) -> list[torch.Tensor]:
+    """What the target's question reads of each reused image at full prefill (in its
+    first ``layers`` layers; default all)."""
     last = max(e for _, e in case.spans)
-    att = attentions_of(runner, case.inputs)
+    att = attentions_of(runner, case.inputs)[:layers]
     return tail_salience(att, case.spans, slice(last, case.prompt_len))
 
 
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             refs[sc].append(case.ref_correct)
             probed = probe_images(case)
             oracle, fill = oracle_salience(runner, case), fill_salience(runner, example, case)
+            layer0 = oracle_salience(runner, case, layers=1)
 
             n, grid = CHOSEN.probes, probed
 
@@ -229,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                 "grid": one_pass(runner, case, {j: probe_offsets(case.grids[j], n) for j in grid}),
                 "salient-oracle": one_pass(runner, case, {j: top(oracle, j) for j in probed}),
                 "salient-fill": one_pass(runner, case, {j: top(fill, j) for j in probed}),
+                "salient-layer0": one_pass(runner, case, {j: top(layer0, j) for j in probed}),
                 "two-pass P=4": two_pass(runner, case, 4),
                 "two-pass P=6": two_pass(runner, case, 6),
             }
