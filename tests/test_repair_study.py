@@ -17,7 +17,9 @@ from training.repair_study import (
     answer_logits,
     first_masks,
     kamera_patch,
+    kamera_patch_bytes,
     keep_fn,
+    kv_bytes,
     layered_flops,
     oracle_rank_fn,
     paired_against,
@@ -181,3 +183,20 @@ def test_labels_parse_back_and_paired_ratios():
     paired = paired_against(report)
     # only the servable others; equal outcomes on every prompt: a ratio of exactly 1
     assert paired == {"s": {"reuse": [1.0, 1.0]}}
+
+
+def test_kamera_patch_bytes_by_hand():
+    shape = DecoderShape.from_config(
+        {
+            "num_hidden_layers": 4,
+            "hidden_size": 192,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "vocab_size": 1024,
+        }
+    )
+    # 4 layers x (64 x 16 + 16 x 128) bf16 values, against 4 x 64 x 128 of KV
+    assert kamera_patch_bytes(shape, 64, 16) == 4 * (64 * 16 + 16 * 128) * 2 == 24_576
+    assert kv_bytes(shape, 64) == 4 * 64 * 128 * 2 == 65_536
+    assert kamera_patch_bytes(shape, 64, 0) == 0

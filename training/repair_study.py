@@ -705,6 +705,18 @@ def kamera_apply_flops(shape: DecoderShape, n: int, rank: int, images: int) -> i
     return images * shape.num_layers * per + images * rotation_flops(shape, n, shape.num_layers)
 
 
+def kamera_patch_bytes(shape: DecoderShape, n: int, rank: int, element: int = 2) -> int:
+    """Bytes Kamera-style reuse stores per image beside its KV: per layer ``A (n, m)``
+    and ``B (m, D)``, ``D = H_kv (d_k + d_v)``, in ``element``-byte floats (bf16)."""
+    d2 = 2 * shape.num_kv_heads * shape.head_dim
+    return shape.num_layers * (n * rank + rank * d2) * element
+
+
+def kv_bytes(shape: DecoderShape, n: int, element: int = 2) -> int:
+    """Bytes of ``n`` tokens' K and V over every layer (bf16 by default)."""
+    return shape.num_layers * n * 2 * shape.num_kv_heads * shape.head_dim * element
+
+
 def kamera_fill_flops(shape: DecoderShape, n: int, rank: int, images: int) -> int:
     """The canonical pass of each image alone (its tokens attend to themselves) and
     one SVD per layer (``4 n D min(n, D)``)."""
