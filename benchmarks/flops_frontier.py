@@ -28,11 +28,13 @@ import sys
 from pathlib import Path
 
 SERVER, OFFLINE = "server", "offline"
+DECIMALS = 4
 OFFLINE_LABELS = {"staleprobe": "staleprobe@auto"}  # repair_study's name of the server's
 
 
 def server_points(paths: list[Path]) -> list[dict]:
-    """One point per (mode, budget, scenario) of the fidelity runs, first run first."""
+    """One point per (mode, budget, scenario) of the fidelity runs: where two runs
+    measured the same cell, the one given first."""
     seen, points = set(), []
     for path in paths:
         for s in json.loads(path.read_text())["summaries"]:
@@ -67,6 +69,7 @@ def offline_points(path: Path) -> list[dict]:
 
 
 def _point(scenario, label, source, rel, ci_of: dict, flops, path) -> dict:
+    """One point, as measured (:func:`on_frontier` compares at 4 decimals)."""
     return {
         "scenario": scenario,
         "label": label,
@@ -79,13 +82,16 @@ def _point(scenario, label, source, rel, ci_of: dict, flops, path) -> dict:
 
 
 def on_frontier(point: dict, others: list[dict]) -> bool:
-    """No other point is at most as costly and at least as accurate, one strictly."""
+    """No other point is at most as costly and at least as accurate, one strictly;
+    compared at 4 decimals, as the offline runs write them, so that a server and an
+    offline measurement of the same cell do not dominate each other by rounding."""
+    flops, rel = round(point["flops"], DECIMALS), round(point["relative"], DECIMALS)
     for o in others:
         if o is point:
             continue
-        if o["flops"] <= point["flops"] and o["relative"] >= point["relative"]:
-            if o["flops"] < point["flops"] or o["relative"] > point["relative"]:
-                return False
+        o_flops, o_rel = round(o["flops"], DECIMALS), round(o["relative"], DECIMALS)
+        if o_flops <= flops and o_rel >= rel and (o_flops < flops or o_rel > rel):
+            return False
     return True
 
 

@@ -131,3 +131,14 @@ def test_main_writes_table_json_and_plot(tmp_path):
     assert {p["scenario"] for p in result["points"]} == {"reordered"}  # "other" not asked for
     assert len(result["points"]) == 3
     assert (out / "frontier.png").stat().st_size > 10_000
+
+
+def test_server_and_offline_cells_compare_at_four_decimals(tmp_path):
+    """A server summary (full float) and an offline cell (4 decimals) of the same
+    measurement: neither dominates the other on a rounding artefact."""
+    server = _server(tmp_path, [_summary("staleprobe", "auto", 62 / 61, 0.473)])
+    points = flops_frontier.server_points([server])
+    assert points[0]["relative"] == 62 / 61  # kept as measured
+    offline = {**points[0], "source": "offline", "relative": 1.0164, "flops": 0.529}
+    marked = flops_frontier.mark([points[0], offline], 0.98, 0.25)
+    assert [q["frontier"] for q in marked] == [True, False]  # the dearer one is dominated

@@ -72,7 +72,7 @@ def test_one_pass_on_the_grid_is_repair_studys_stalepatch(runner, cases):
 def test_two_pass_flops_by_hand(runner, cases):
     seconds = 0
     for case in cases:
-        ok, flops = two_pass(runner, case, 4)
+        _, flops = two_pass(runner, case, 4)
         rows = case.fresh_rows()
         for j in probe_images(case):
             rows[case.spans[j][0] + probe_offsets(case.grids[j], 1)[0]] = True

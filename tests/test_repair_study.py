@@ -3,6 +3,7 @@ that can fail (exactness at the extremes, FLOPs by hand)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -176,26 +177,22 @@ def test_labels_parse_back_and_paired_ratios():
     cells = {
         "full": {"method": "full", "outcomes": [1] * 4},
         "stalepatch[P=4,kernel,tau=0]": {"method": "stalepatch", "outcomes": [1, 1, 1, 1]},
-        "reuse": {"method": "reuse", "outcomes": [1, 1, 1, 1]},
+        "reuse": {"method": "reuse", "outcomes": [1, 1, 0, 0]},
         "oracle-rank2": {"method": "oracle-rank", "outcomes": [1, 0, 0, 0]},
     }
     report = {"chosen": "stalepatch[P=4,kernel,tau=0]", "test": {"s": cells}}
     paired = paired_against(report)
-    # only the servable others; equal outcomes on every prompt: a ratio of exactly 1
-    assert paired == {"s": {"reuse": [1.0, 1.0]}}
+    # only the servable others, as stalepatch over them: right on every prompt against
+    # half, a ratio of at least 1 in every resample, 2 or more in some (the other way
+    # round it would be at most 1)
+    assert list(paired) == ["s"] and list(paired["s"]) == ["reuse"]
+    low, high = paired["s"]["reuse"]
+    assert low >= 1.0 and high >= 2.0
 
 
 def test_kamera_patch_bytes_by_hand():
-    shape = DecoderShape.from_config(
-        {
-            "num_hidden_layers": 4,
-            "hidden_size": 192,
-            "num_attention_heads": 6,
-            "num_key_value_heads": 2,
-            "intermediate_size": 512,
-            "vocab_size": 1024,
-        }
-    )
+    # the page model's shape: the sizes docs/repair-design.md quotes
+    shape = DecoderShape.from_config(json.loads((MODEL / "config.json").read_text()))
     # 4 layers x (64 x 16 + 16 x 128) bf16 values, against 4 x 64 x 128 of KV
     assert kamera_patch_bytes(shape, 64, 16) == 4 * (64 * 16 + 16 * 128) * 2 == 24_576
     assert kv_bytes(shape, 64) == 4 * 64 * 128 * 2 == 65_536

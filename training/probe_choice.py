@@ -39,6 +39,7 @@ import torch
 from harness.fidelity import scenario_requests
 from harness.fidelity_task import model_split
 from training.repair_study import (
+    AUTO_THRESHOLD,
     CONTROLS,
     EPS,
     MODEL,
@@ -64,7 +65,6 @@ from training.repair_study import (
 )
 
 CHOSEN = PatchConfig(4, "kernel", 0.0)  # repair_study's pick on validation
-AUTO_THRESHOLD = 0.5
 
 
 def tail_salience(attentions, spans, tail: slice) -> list[torch.Tensor]:
@@ -225,13 +225,15 @@ def main(argv: list[str] | None = None) -> None:
             oracle, fill = oracle_salience(runner, case), fill_salience(runner, example, case)
             layer0 = oracle_salience(runner, case, layers=1)
 
-            n, grid = CHOSEN.probes, probed
+            n = CHOSEN.probes
 
             def top(sal, j):
                 return sorted(sal[j].topk(CHOSEN.probes).indices.tolist())
 
             runs = {
-                "grid": one_pass(runner, case, {j: probe_offsets(case.grids[j], n) for j in grid}),
+                "grid": one_pass(
+                    runner, case, {j: probe_offsets(case.grids[j], n) for j in probed}
+                ),
                 "salient-oracle": one_pass(runner, case, {j: top(oracle, j) for j in probed}),
                 "salient-fill": one_pass(runner, case, {j: top(fill, j) for j in probed}),
                 "salient-layer0": one_pass(runner, case, {j: top(layer0, j) for j in probed}),

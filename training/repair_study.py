@@ -557,8 +557,9 @@ def stalepatch_fn(
     case: Case, cfg: PatchConfig, stats: dict | None = None, offs: dict | None = None
 ):
     """One pass: text + ``P`` probe rows per probed image (``offs``: image -> token
-    offsets; default spread over the grid); each layer's probe change is
-    extrapolated to the image's other rows before the layer's attention reads them."""
+    offsets, keyed by exactly :func:`probe_images`; default spread over the grid);
+    each layer's probe change is extrapolated to the image's other rows before the
+    layer's attention reads them."""
     probed = set(probe_images(case))
     if offs is None:
         offs = {j: probe_offsets(case.grids[j], cfg.probes) for j in probed}
@@ -675,7 +676,8 @@ def rotation_flops(shape: DecoderShape, rows: int, layers: int) -> int:
 
 def patch_flops(shape: DecoderShape, case: Case, cfg: PatchConfig, patched: int) -> int:
     """Elementwise work of stalepatch: the probes' delta and deviation at every layer,
-    and per patched (image, layer) the fit, the correction and its rotation."""
+    and per patched (image, layer) the fit, the correction and its rotation. Counts
+    ``cfg.probes`` probes per probed image (the grid's), whichever tokens they are."""
     d = shape.num_kv_heads * shape.head_dim  # per half
     n_layers = shape.num_layers
     probes = sum(len(probe_offsets(case.grids[j], cfg.probes)) for j in probe_images(case))
