@@ -30,6 +30,7 @@ MARGIN = 0.1  # 3 of 32 answers: CPU kernels may flip a near tie
         pytest.param("fidelity-qwen2-vl-turns", marks=pytest.mark.slow),
         pytest.param("fidelity-qwen2-vl-page", marks=pytest.mark.slow),
         pytest.param("fidelity-qwen2-vl-page-heldout", marks=pytest.mark.slow),
+        pytest.param("fidelity-qwen2-vl-page-seed2", marks=pytest.mark.slow),
     ],
 )
 def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
@@ -53,6 +54,7 @@ def test_committed_model_reaches_its_recorded_subset_accuracy(tmp_path, name):
         ("fidelity-qwen2-vl-turns", ("reordered", "turn_reordered")),
         ("fidelity-qwen2-vl-page", ("reordered", "image_prefix")),
         ("fidelity-qwen2-vl-page-heldout", ("reordered", "image_prefix")),
+        ("fidelity-qwen2-vl-page-seed2", ("reordered", "image_prefix")),
     ],
 )
 def test_the_staleness_models_answer_worse_from_stale_image_kv(name, scenarios):
