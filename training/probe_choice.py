@@ -41,7 +41,6 @@ from harness.fidelity_task import model_split
 from training.repair_study import (
     AUTO_THRESHOLD,
     CONTROLS,
-    EPS,
     MODEL,
     STALE_SCENARIOS,
     Case,
@@ -55,12 +54,14 @@ from training.repair_study import (
     _strip,
     bootstrap,
     correct,
-    deviation,
     keep_fn,
     patch_flops,
     positions_of,
     probe_images,
+    probe_masks,
     probe_offsets,
+    probe_staleness,
+    scoring_rows,
     stalepatch_fn,
 )
 
@@ -114,10 +115,7 @@ def one_pass(runner: Runner, case: Case, offs: dict[int, list[int]]) -> tuple[bo
     stats: dict = {}
     fn, _ = stalepatch_fn(case, CHOSEN, stats, offs=offs)
     ok = correct(runner.model, runner.hook, case, fn)
-    rows = case.fresh_rows()
-    for j, o in offs.items():
-        rows[torch.tensor(o, dtype=torch.long) + case.spans[j][0]] = True
-    flops = runner.shape.pass_flops(positions_of(rows))
+    flops = runner.shape.pass_flops(positions_of(scoring_rows(case, offs)))
     flops += patch_flops(runner.shape, case, CHOSEN, stats.get("patched", 0))
     return ok, flops / runner.full(case)
 
@@ -126,11 +124,7 @@ def two_pass(runner: Runner, case: Case, probes: int) -> tuple[bool, float]:
     """``(correct, FLOPs fraction)`` of the two-pass variant (module docstring)."""
     probed = probe_images(case)
     mids = {j: probe_offsets(case.grids[j], 1) for j in probed}
-    masks = {}
-    for j, (s, e) in enumerate(case.spans):
-        masks[j] = torch.zeros(e - s, dtype=torch.bool)
-        if j in mids:
-            masks[j][mids[j]] = True
+    masks = probe_masks(case, mids)
     record: dict = {}
     first: list = []
     inner = keep_fn(case, lambda j, layer: masks[j], record=record)
@@ -144,25 +138,13 @@ def two_pass(runner: Runner, case: Case, probes: int) -> tuple[bool, float]:
     att = attentions_of(runner, case.inputs, pass_one)
     alpha = tail_salience(att, case.spans, slice(last, case.prompt_len))
     layers = len(first)
-    z = dict.fromkeys(probed, 0.0)
-    for layer in range(layers):
-        ks = torch.cat([record[j][layer][0] for j in probed])
-        vs = torch.cat([record[j][layer][1] for j in probed])
-        sk = torch.cat([case.stale[j][layer][0][mids[j]] for j in probed])
-        sv = torch.cat([case.stale[j][layer][1][mids[j]] for j in probed])
-        kscale, vscale = (x.norm(dim=-1).mean().clamp_min(EPS) for x in (ks, vs))
-        dev = deviation(sk, ks, kscale) + deviation(sv, vs, vscale)
-        for i, j in enumerate(probed):
-            z[j] += float(dev[i])
+    z = probe_staleness(case, mids, record)
     chosen = {
         j: sorted(alpha[j].topk(min(probes, alpha[j].numel())).indices.tolist())
         for j in probed
         if z[j] / layers >= AUTO_THRESHOLD
     }
-    rows_one = case.fresh_rows()
-    for j in probed:
-        rows_one[case.spans[j][0] + mids[j][0]] = True
-    flops = runner.shape.pass_flops(positions_of(rows_one))
+    flops = runner.shape.pass_flops(positions_of(scoring_rows(case, mids)))
     if not chosen:  # the first pass is the answer: its K/V everywhere
         ok = correct(runner.model, runner.hook, case, lambda layer, k, v: first[layer])
         return ok, flops / runner.full(case)

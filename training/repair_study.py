@@ -416,29 +416,24 @@ def keep_fn(case: Case, keep, override=None, record=None, base=None):
     return fn
 
 
-def staleprobe_auto(model, hook, case: Case, threshold: float = AUTO_THRESHOLD):
-    """``(correct, flops, refreshed images)``: the scoring pass with the middle token of
-    every probed image, then the stale images refreshed whole."""
-    probed = probe_images(case)
-    offs = {j: probe_offsets(case.grids[j], 1) for j in probed}
-    n_layers = len(case.stale[0]) if case.stale else 0
-
-    def mask_of(j):
-        m = torch.zeros(case.spans[j][1] - case.spans[j][0], dtype=torch.bool)
+def probe_masks(case: Case, offs: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    """Per reused image, ``(n,)`` bool: its tokens in ``offs`` (none if it has no entry)."""
+    masks = {}
+    for j, (s, e) in enumerate(case.spans):
+        masks[j] = torch.zeros(e - s, dtype=torch.bool)
         if j in offs:
-            m[offs[j]] = True
-        return m
+            masks[j][offs[j]] = True
+    return masks
 
-    masks = {j: mask_of(j) for j in range(len(case.spans))}
-    record: dict = {}
-    hook.fn = keep_fn(case, lambda j, layer: masks[j], record=record)
-    try:
-        with torch.no_grad():
-            model(**case.inputs)
-    finally:
-        hook.fn = None
-    z = {j: 0.0 for j in probed}
-    for layer in range(n_layers):
+
+def probe_staleness(case: Case, offs: dict[int, list[int]], record: dict) -> dict[int, float]:
+    """staleprobe's ``z_j`` of each image in ``offs``: its probes' K/V deviation from the
+    stale K/V, relative to the mean norm over every probe of the request, summed over
+    layers (``record``: per image, per layer, the probes' computed ``(K, V)``, as
+    :func:`keep_fn` records them)."""
+    probed = list(offs)
+    z = dict.fromkeys(probed, 0.0)
+    for layer in range(len(case.stale[0]) if case.stale else 0):
         ks = torch.cat([record[j][layer][0] for j in probed])
         vs = torch.cat([record[j][layer][1] for j in probed])
         sk = torch.cat([case.stale[j][layer][0][offs[j]] for j in probed])
@@ -448,6 +443,32 @@ def staleprobe_auto(model, hook, case: Case, threshold: float = AUTO_THRESHOLD):
         dev = deviation(sk, ks, kscale) + deviation(sv, vs, vscale)
         for i, j in enumerate(probed):
             z[j] += float(dev[i])
+    return z
+
+
+def scoring_rows(case: Case, offs: dict[int, list[int]]) -> torch.Tensor:
+    """``(prompt_len,)`` bool: a scoring pass's rows, the fresh ones and the probes."""
+    rows = case.fresh_rows()
+    for j, o in offs.items():
+        rows[torch.tensor(o, dtype=torch.long) + case.spans[j][0]] = True
+    return rows
+
+
+def staleprobe_auto(model, hook, case: Case, threshold: float = AUTO_THRESHOLD):
+    """``(correct, flops, refreshed images)``: the scoring pass with the middle token of
+    every probed image, then the stale images refreshed whole."""
+    probed = probe_images(case)
+    offs = {j: probe_offsets(case.grids[j], 1) for j in probed}
+    n_layers = len(case.stale[0]) if case.stale else 0
+    masks = probe_masks(case, offs)
+    record: dict = {}
+    hook.fn = keep_fn(case, lambda j, layer: masks[j], record=record)
+    try:
+        with torch.no_grad():
+            model(**case.inputs)
+    finally:
+        hook.fn = None
+    z = probe_staleness(case, offs, record)
     stale_imgs = [j for j in probed if z[j] / max(n_layers, 1) >= threshold]
     # probes of images found fresh keep their scoring-pass K/V
     override = {
@@ -461,9 +482,7 @@ def staleprobe_auto(model, hook, case: Case, threshold: float = AUTO_THRESHOLD):
     }
     ok = correct(model, hook, case, keep_fn(case, lambda j, layer: full_masks[j], override))
     # FLOPs: scoring pass (fresh + probes) + refresh pass (selected + fresh after the first)
-    shape_rows = case.fresh_rows()
-    for j in probed:
-        shape_rows[case.spans[j][0] + offs[j][0]] = True
+    shape_rows = scoring_rows(case, offs)
     selected = [torch.arange(*case.spans[j]) for j in stale_imgs]
     passes = [shape_rows]
     if selected:
@@ -860,10 +879,7 @@ class Runner:
             stats: dict = {}
             fn, offs = stalepatch_fn(case, cfg, stats)
             ok = correct(self.model, self.hook, case, fn)
-            rows = case.fresh_rows()
-            for j, o in offs.items():
-                rows[torch.tensor(o, dtype=torch.long) + case.spans[j][0]] = True
-            flops = sh.pass_flops(positions_of(rows))
+            flops = sh.pass_flops(positions_of(scoring_rows(case, offs)))
             flops += patch_flops(sh, case, cfg, stats.get("patched", 0))
             fill = 0
             if cfg.form == "basis" and case.spans:  # W2's canonical pass and SVDs, at fill
