@@ -90,12 +90,17 @@ def attentions_of(runner: Runner, inputs: dict, fn=None) -> list[torch.Tensor]:
     return [a[0].float() for a in out.attentions]
 
 
+def question_salience(attentions, case: Case) -> list[torch.Tensor]:
+    """What the target's question (its rows after the last reused image) reads of each
+    reused image, in these layers' attentions."""
+    last = max(e for _, e in case.spans)
+    return tail_salience(attentions, case.spans, slice(last, case.prompt_len))
+
+
 def oracle_salience(runner: Runner, case: Case, layers: int | None = None) -> list[torch.Tensor]:
     """What the target's question reads of each reused image at full prefill (in its
     first ``layers`` layers; default all)."""
-    last = max(e for _, e in case.spans)
-    att = attentions_of(runner, case.inputs)[:layers]
-    return tail_salience(att, case.spans, slice(last, case.prompt_len))
+    return question_salience(attentions_of(runner, case.inputs)[:layers], case)
 
 
 def fill_salience(runner: Runner, example, case: Case) -> list[torch.Tensor]:
@@ -134,9 +139,7 @@ def two_pass(runner: Runner, case: Case, probes: int) -> tuple[bool, float]:
         first.append((k.clone(), v.clone()))
         return k, v
 
-    last = max(e for _, e in case.spans)
-    att = attentions_of(runner, case.inputs, pass_one)
-    alpha = tail_salience(att, case.spans, slice(last, case.prompt_len))
+    alpha = question_salience(attentions_of(runner, case.inputs, pass_one), case)
     layers = len(first)
     z = probe_staleness(case, mids, record)
     chosen = {
@@ -150,7 +153,7 @@ def two_pass(runner: Runner, case: Case, probes: int) -> tuple[bool, float]:
         return ok, flops / runner.full(case)
     total = case.inputs["input_ids"].shape[1]
     computed = torch.zeros(total, dtype=torch.bool)
-    computed[last:] = True
+    computed[max(e for _, e in case.spans) :] = True
     for j, o in chosen.items():
         computed[torch.tensor(o) + case.spans[j][0]] = True
     cfg = PatchConfig(probes, CHOSEN.form, 0.0)
@@ -204,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
             case = built[sc][0]
             refs[sc].append(case.ref_correct)
             probed = probe_images(case)
-            oracle, fill = oracle_salience(runner, case), fill_salience(runner, example, case)
-            layer0 = oracle_salience(runner, case, layers=1)
+            full = attentions_of(runner, case.inputs)  # one forward for both readings
+            oracle, layer0 = question_salience(full, case), question_salience(full[:1], case)
+            fill = fill_salience(runner, example, case)
 
             n = CHOSEN.probes
 
